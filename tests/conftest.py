@@ -1,0 +1,33 @@
+"""Session plumbing for the harness: batching of scenario calls per (world_size, tree).
+
+Test modules register calls at import time with ``tests.harness.call(...)``; every call for the
+same (world_size, tree) runs in one launched world the first time any of them is needed.
+The ``world_results`` fixture is the functional form: ``world_results(world, tree, calls)``.
+"""
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tests.harness import launcher, registry  # noqa: E402
+
+
+@pytest.fixture(scope='session')
+def world_results():
+    """Functional access to the batched harness: world_results(world_size, tree, calls)."""
+    return registry.world_results
+
+
+@pytest.fixture(scope='session')
+def harness_backend():
+    """'gloo' (CPU ranks, default) or 'nccl' (FORK_TEST_BACKEND=nccl)."""
+    return launcher.backend()
+
+
+def pytest_report_header(config):
+    return f'harness backend: {launcher.backend()} (FORK_TEST_BACKEND)'

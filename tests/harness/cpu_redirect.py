@@ -1,0 +1,173 @@
+"""Minimal redirect of the CUDA-only calls megatron-core makes on its DDP/optimizer/schedule path.
+
+Test-only code: it is installed by tests/harness/worker.py in CPU worlds (gloo) and never ships in
+the fork. Every redirected name, and why, is listed in tests/harness/README.md. Any other
+``torch.cuda.<name>`` access raises :class:`UncoveredCudaCall` naming the API, so a new CUDA
+dependency in the code under test shows up as a loud error instead of silent CPU behaviour.
+"""
+
+import contextlib
+import sys
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_REAL_CUDA = torch.cuda
+_REAL_TENSOR_TYPE = torch.Tensor.type
+_CPU = torch.device('cpu')
+
+
+class UncoveredCudaCall(RuntimeError):
+    """A torch.cuda API that the CPU redirect does not cover was used."""
+
+
+class _DummyStream:
+    """Stands in for torch.cuda.Stream: CPU work is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _DummyEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _DummyEvent:
+    """Stands in for torch.cuda.Event: recorded work on CPU is already complete."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_DEFAULT_STREAM = _DummyStream()
+
+# name -> replacement. Names mapped to _PASS are forwarded to the real torch.cuda module.
+_PASS = object()
+COVERED = {
+    # Buffers in param_and_grad_buffer.py are allocated with device=torch.cuda.current_device().
+    'current_device': lambda: _CPU,
+    # Streams/events: 0.19.2+ start_grad_sync calls current_stream() unconditionally.
+    'Stream': _DummyStream,
+    'Event': _DummyEvent,
+    'current_stream': lambda device=None: _DEFAULT_STREAM,
+    'default_stream': lambda device=None: _DEFAULT_STREAM,
+    'stream': lambda s=None: contextlib.nullcontext(),
+    'synchronize': lambda device=None: None,
+    # Truthful answers from the real module on a machine without a usable GPU.
+    'is_available': lambda: False,
+    'device_count': lambda: 0,
+    'is_initialized': lambda: False,
+    # Legacy tensor-type classes used at import time (transformer/module.py) for isinstance checks.
+    'FloatTensor': _PASS,
+    'HalfTensor': _PASS,
+    'BFloat16Tensor': _PASS,
+    # Decorators referenced at import time (tensor_parallel/layers.py); no CUDA work on CPU inputs.
+    'amp': _PASS,
+}
+
+
+# Modules whose torch.cuda accesses are checked: the code under test and the scenarios.
+CHECKED_PREFIXES = ('megatron', 'tests')
+
+
+class _CudaProxy(types.ModuleType):
+    """Replaces the ``torch.cuda`` attribute.
+
+    Accesses from megatron.* and tests.* get the redirect for covered names and
+    UncoveredCudaCall for everything else; torch's own internals see the real module.
+    """
+
+    def __getattr__(self, name):
+        caller = sys._getframe(1).f_globals.get('__name__', '')
+        if not caller.startswith(CHECKED_PREFIXES) or caller.startswith('tests.harness.launcher'):
+            return getattr(_REAL_CUDA, name)
+        if name in COVERED:
+            value = COVERED[name]
+            return getattr(_REAL_CUDA, name) if value is _PASS else value
+        if name.startswith('_'):
+            # Private torch helpers bound by megatron (tensor_parallel/random.py imports
+            # _lazy_call/_lazy_init); they only queue work for a CUDA context that never starts.
+            return getattr(_REAL_CUDA, name)
+        raise UncoveredCudaCall(
+            f"torch.cuda.{name} is not covered by the CPU redirect (tests/harness/cpu_redirect.py); "
+            f"called from {caller}; this code path needs a GPU or the redirect must be extended"
+        )
+
+
+def _is_cuda_device(value):
+    if isinstance(value, torch.device):
+        return value.type == 'cuda'
+    if isinstance(value, str):
+        return value == 'cuda' or value.startswith('cuda:')
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps device='cuda' (factories, .to) to CPU and makes Tensor.cuda() a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if 'device' in kwargs and (_is_cuda_device(kwargs['device']) or type(kwargs['device']) is int):
+            kwargs['device'] = _CPU
+        if func is torch.Tensor.to and args:
+            args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+    """Tensor.type(): CPU tensors report 'torch.cuda.<X>Tensor' (distributed optimizer, clip_grads)."""
+    if dtype is None:
+        name = _REAL_TENSOR_TYPE(self)
+        if self.device.type == 'cpu' and name.startswith('torch.') and not name.startswith('torch.cuda.'):
+            return 'torch.cuda.' + name[len('torch.') :]
+        return name
+    if isinstance(dtype, str) and dtype.startswith('torch.cuda.'):
+        dtype = 'torch.' + dtype[len('torch.cuda.') :]
+    return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+_MODE = None
+
+
+def install():
+    """Install the redirect in this process (idempotent)."""
+    global _MODE
+    if _MODE is not None:
+        return
+    proxy = _CudaProxy('torch.cuda')
+    proxy.__file__ = getattr(_REAL_CUDA, '__file__', None)
+    torch.cuda = proxy
+    torch.Tensor.type = _tensor_type
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+
+
+def installed():
+    """Whether install() has run in this process."""
+    return _MODE is not None

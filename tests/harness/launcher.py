@@ -1,0 +1,207 @@
+"""Launch a world of N ranks once and run a list of scenario calls in it.
+
+Public API: :func:`run_world`, :func:`resolve_tree`, :func:`backend`, :class:`HarnessError`,
+:class:`TreeShadowedError`. See tests/harness/README.md.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHADOW_EXIT = 17
+
+
+class HarnessError(RuntimeError):
+    """The world could not be launched or did not finish (timeout, crash, missing results)."""
+
+
+class TreeShadowedError(HarnessError):
+    """megatron.core was imported from somewhere other than the tree under test."""
+
+
+def backend():
+    """The collective backend selected by FORK_TEST_BACKEND (default gloo, CPU ranks)."""
+    value = os.environ.get('FORK_TEST_BACKEND', 'gloo').strip().lower()
+    if value not in ('gloo', 'nccl'):
+        raise HarnessError(f"FORK_TEST_BACKEND must be 'gloo' or 'nccl', not {value!r}")
+    return value
+
+
+def gpu_count():
+    """Number of visible GPUs (0 when torch is missing or no GPU)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def resolve_tree(tree):
+    """Map a tree label ('fork', 'pristine-<ver>') or an absolute path to a directory.
+
+    Missing trees are materialized with tools/fork.py when it exists.
+
+    Args:
+        tree: 'fork', 'pristine-<version>' or an absolute directory containing megatron/.
+
+    Returns:
+        (label, absolute path of the directory that contains megatron/).
+    """
+    if os.path.isabs(tree):
+        path, label = tree, tree
+    elif tree == 'fork':
+        path, label = REPO, 'fork'
+        if not os.path.isdir(os.path.join(REPO, 'megatron')):
+            _fork_tool('materialize')
+    elif tree.startswith('pristine-'):
+        path, label = os.path.join(REPO, 'build', 'trees', tree), tree
+        if not os.path.isdir(os.path.join(path, 'megatron')):
+            _fork_tool('pristine', tree[len('pristine-') :])
+    else:
+        raise HarnessError(f"unknown tree {tree!r}: use 'fork', 'pristine-<ver>' or an absolute path")
+    if not os.path.isdir(os.path.join(path, 'megatron')):
+        raise HarnessError(f'tree {tree!r}: {path} does not contain megatron/')
+    return label, path
+
+
+def _fork_tool(*args):
+    tool = os.path.join(REPO, 'tools', 'fork.py')
+    if not os.path.exists(tool):
+        raise HarnessError(f'{tool} does not exist; cannot run fork.py {" ".join(args)}')
+    proc = subprocess.run(
+        [sys.executable, tool, *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        raise HarnessError(
+            f'fork.py {" ".join(args)} failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}'
+        )
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def default_timeout(n_calls):
+    """Wall-clock budget for a world: startup plus a generous per-call allowance."""
+    return float(os.environ.get('FORK_TEST_WORLD_TIMEOUT', 0)) or 180.0 + 60.0 * n_calls
+
+
+def run_world(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_s=None):
+    """Launch ``world_size`` ranks once and run every call in order.
+
+    Args:
+        world_size: number of ranks (processes).
+        tree: 'fork', 'pristine-<ver>' or an absolute directory containing megatron/.
+        calls: list of ("package.module:function", kwargs) with JSON-able kwargs.
+        timeout: wall-clock seconds for the whole world (default: default_timeout(len(calls))).
+        extra_env: environment overrides for the ranks (tests of the harness itself).
+        pg_timeout_s: process-group timeout; a collective that waits longer raises.
+
+    Returns:
+        One list per call, each holding the per-rank results (dict returned by the scenario, or
+        {"error": "<ExcType>: <message>"}).
+
+    Raises:
+        TreeShadowedError: megatron.core did not come from the requested tree.
+        HarnessError: launch failure, timeout, or a rank died without results.
+    """
+    be = backend()
+    calls = [(target, dict(kwargs or {})) for target, kwargs in calls]
+    label, path = resolve_tree(tree)
+    if be == 'nccl' and world_size > gpu_count():
+        raise HarnessError(f'world_size {world_size} needs {world_size} GPUs, {gpu_count()} visible')
+    timeout = timeout or default_timeout(len(calls))
+    work = tempfile.mkdtemp(prefix=f'harness-w{world_size}-')
+    spec = {
+        'world_size': world_size,
+        'backend': be,
+        'tree_path': path,
+        'tree_label': label,
+        'master_port': _free_port(),
+        'out_dir': work,
+        'pg_timeout_s': pg_timeout_s or float(os.environ.get('FORK_TEST_PG_TIMEOUT', 120)),
+        'calls': calls,
+    }
+    spec_path = os.path.join(work, 'spec.json')
+    with open(spec_path, 'w') as f:
+        json.dump(spec, f)
+    env = dict(os.environ)
+    if be == 'gloo':
+        threads = str(max(1, (os.cpu_count() or 1) // world_size))
+        env.setdefault('OMP_NUM_THREADS', threads)
+        env['CUDA_VISIBLE_DEVICES'] = ''
+    env.setdefault('PYTHONWARNINGS', 'ignore')
+    env.update(extra_env or {})
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = open(os.path.join(work, f'rank{rank}.log'), 'w')
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, '-m', 'tests.harness.worker', spec_path, str(rank)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise HarnessError(
+                    f'world of {world_size} on {label} timed out after {timeout:.0f}s\n'
+                    + _tails(work, world_size)
+                )
+            if any(p.returncode not in (None, 0) for p in procs):
+                failed_at = failed_at or now
+                if now - failed_at > 10:  # peers of a dead rank would block in collectives
+                    break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if any(p.returncode == SHADOW_EXIT for p in procs):
+        raise TreeShadowedError(_tails(work, world_size))
+    per_rank = []
+    for rank in range(world_size):
+        out = os.path.join(work, f'rank{rank}.json')
+        res = json.load(open(out)) if os.path.exists(out) else []
+        for i in range(len(res), len(calls)):
+            res.append(
+                {
+                    'error': f'HarnessError: rank {rank} exited (rc {procs[rank].returncode}) '
+                    f'before call {i} ({calls[i][0]}) finished; logs in {work}'
+                }
+            )
+        per_rank.append(res)
+    if all(procs[r].returncode != 0 for r in range(world_size)) and not any(
+        os.path.exists(os.path.join(work, f'rank{r}.json')) for r in range(world_size)
+    ):
+        raise HarnessError(f'world of {world_size} on {label} failed to start\n' + _tails(work, world_size))
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
+
+
+def _tails(work, world_size, n=3000):
+    parts = []
+    for rank in range(world_size):
+        try:
+            text = open(os.path.join(work, f'rank{rank}.log')).read()
+        except OSError:
+            text = ''
+        parts.append(f'--- rank {rank} log tail ---\n{text[-n:]}')
+    return '\n'.join(parts)

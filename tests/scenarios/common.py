@@ -1,0 +1,465 @@
+"""Reusable builders for scenarios: a tiny model, DDP + optimizer, data, and a training loop.
+
+Everything here runs inside a harness world (see tests/harness/README.md). The training loop
+installs the schedule hooks the way megatron/training/training.py ``train()`` does:
+``config.no_sync_func = model.no_sync`` when overlap_grad_reduce is on, and
+``config.finalize_model_grads_func = finalize_model_grads``, ``config.grad_scale_func =
+optimizer.scale_loss``. :class:`Trainer` lets a scenario change those per step (e.g. a warm-up
+step run before ``train()`` would have installed them).
+"""
+
+import copy
+import hashlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+HIDDEN = 8
+FFN = 16
+OUT = 4
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def init_parallel(tp=1, pp=1, ep=1, etp=None, cp=1, **kwargs):
+    """Initialise megatron parallel_state (the harness destroys it after the call).
+
+    Args:
+        tp: tensor-model-parallel size.
+        pp: pipeline-model-parallel size.
+        ep: expert-model-parallel size.
+        etp: expert-tensor-parallel size (None: same as tp).
+        cp: context-parallel size.
+        **kwargs: passed through to initialize_model_parallel.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        **kwargs,
+    )
+
+
+def make_config(dtype='fp32', **overrides):
+    """A minimal TransformerConfig for the tiny model.
+
+    Args:
+        dtype: 'fp32', 'bf16' or 'fp16'.
+        **overrides: extra TransformerConfig fields.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        bf16=dtype == 'bf16',
+        fp16=dtype == 'fp16',
+        params_dtype=DTYPES[dtype],
+        pipeline_dtype=DTYPES[dtype],
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+class TinyCore(torch.nn.Module):
+    """Plain-torch body shared by the megatron model and the float64 reference.
+
+    Args:
+        expert: add an expert block whose params carry ``allreduce = False`` (so DDP puts them in
+            expert_parallel_bucket_groups and the optimizer becomes a ChainedOptimizer).
+    """
+
+    def __init__(self, expert=True):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(HIDDEN, FFN)
+        self.fc2 = torch.nn.Linear(FFN, FFN)
+        self.expert = torch.nn.Linear(FFN, FFN) if expert else None
+        self.head = torch.nn.Linear(FFN, OUT)
+        if expert:
+            for p in self.expert.parameters():
+                p.allreduce = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        if self.expert is not None:
+            h = h + torch.tanh(self.expert(h))
+        return self.head(h)
+
+
+def build_model(config, expert=True, seed=1234):
+    """TinyModel(MegatronModule) with deterministic init (identical on every rank).
+
+    Args:
+        config: TransformerConfig from make_config.
+        expert: include the expert block.
+        seed: init seed.
+    """
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.module import MegatronModule
+
+    class TinyModel(MegatronModule):
+        """MegatronModule with what schedules.py needs: model_type and set_input_tensor."""
+
+        def __init__(self, config):
+            super().__init__(config=config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.core = TinyCore(expert=expert)
+
+        def set_input_tensor(self, input_tensor):
+            pass
+
+        def forward(self, x):
+            return self.core(x)
+
+    torch.manual_seed(seed)
+    return TinyModel(config)
+
+
+def wrap_ddp(
+    model,
+    config,
+    overlap=True,
+    distopt=True,
+    bucket_size=100,
+    grad_reduce_in_fp32=False,
+    average_in_collective=False,
+    **ddp_overrides,
+):
+    """Cast to bf16/fp16 (Float16Module) when the config asks for it and wrap in megatron DDP.
+
+    Args:
+        model: the TinyModel.
+        config: its TransformerConfig.
+        overlap: overlap_grad_reduce.
+        distopt: use_distributed_optimizer.
+        bucket_size: DDP bucket size in elements (small -> several buckets / bucket groups).
+        grad_reduce_in_fp32: DDP grad_reduce_in_fp32.
+        average_in_collective: DDP average_in_collective.
+        **ddp_overrides: extra DistributedDataParallelConfig fields.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap,
+        use_distributed_optimizer=distopt,
+        bucket_size=bucket_size,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        average_in_collective=average_in_collective,
+        **ddp_overrides,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(
+    ddp_model, dtype='fp32', distopt=True, optimizer='adam', lr=1e-2, clip_grad=1.0, **overrides
+):
+    """get_megatron_optimizer with a plain OptimizerConfig (weight decay off by default).
+
+    Args:
+        ddp_model: the DDP-wrapped model.
+        dtype: 'fp32', 'bf16' or 'fp16' (fp16 uses a dynamic loss scaler).
+        distopt: use_distributed_optimizer.
+        optimizer: 'adam' or 'sgd'.
+        lr: learning rate.
+        clip_grad: gradient clipping threshold (0 disables).
+        **overrides: extra OptimizerConfig fields.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    kwargs = dict(
+        optimizer=optimizer,
+        lr=lr,
+        min_lr=lr,
+        weight_decay=0.0,
+        bf16=dtype == 'bf16',
+        fp16=dtype == 'fp16',
+        params_dtype=DTYPES[dtype],
+        use_distributed_optimizer=distopt,
+        clip_grad=clip_grad,
+        adam_eps=1e-8,
+        sgd_momentum=0.9,
+    )
+    if dtype == 'fp16':
+        kwargs.update(initial_loss_scale=2.0**12, loss_scale_window=100, hysteresis=2)
+    kwargs.update(overrides)
+    return get_megatron_optimizer(OptimizerConfig(**kwargs), [ddp_model])
+
+
+def microbatch(seed, step, index, micro_batch_size=4):
+    """Deterministic (x, y) for global microbatch ``index`` of ``step`` (same on every rank)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + index)
+    x = torch.randn(micro_batch_size, HIDDEN, generator=g, dtype=torch.float64)
+    y = torch.randn(micro_batch_size, OUT, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def rank_iterator(seed, step, num_microbatches, dp_rank, device, micro_batch_size=4):
+    """This DP rank's microbatches of ``step`` (global index dp_rank * num_microbatches + i)."""
+    for i in range(num_microbatches):
+        x, y = microbatch(seed, step, dp_rank * num_microbatches + i, micro_batch_size)
+        yield x.float().to(device), y.float().to(device)
+
+
+def _loss_func(y, output):
+    loss = torch.nn.functional.mse_loss(output.float(), y)
+    return loss, {'loss': loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    x, y = next(data_iterator)
+    return model(x), partial(_loss_func, y)
+
+
+def inner_core(model):
+    """The TinyCore under DDP / Float16Module wrappers."""
+    while not isinstance(model, TinyCore):
+        model = model.module if hasattr(model, 'module') else model.core
+    return model
+
+
+def flat_params(core):
+    """Float64 CPU vector of the TinyCore params, in named_parameters order."""
+    return torch.cat([p.detach().double().cpu().reshape(-1) for _, p in core.named_parameters()])
+
+
+def digest(vec, decimals=6):
+    """A short hash of a param vector rounded to ``decimals`` (stable across ranks)."""
+    rounded = torch.round(vec.double() * 10**decimals).to(torch.int64).numpy().tobytes()
+    return hashlib.sha256(rounded).hexdigest()[:16]
+
+
+class Trainer:
+    """Model + DDP + optimizer + schedule, stepping the way training.py train_step does.
+
+    Args:
+        ctx: harness context.
+        dtype: 'fp32', 'bf16' or 'fp16'.
+        overlap: overlap_grad_reduce.
+        distopt: use_distributed_optimizer (DDP and optimizer).
+        expert: include an expert (allreduce=False) block.
+        bucket_size: DDP bucket size in elements.
+        optimizer: 'adam' or 'sgd'.
+        lr: learning rate.
+        clip_grad: clip threshold.
+        seed: model/data seed.
+        micro_batch_size: samples per microbatch.
+        install_hooks: install config.no_sync_func / finalize_model_grads_func / grad_scale_func
+            now, as train() does (set False to mimic steps that run before train()).
+        ddp_kwargs: extra DistributedDataParallelConfig fields.
+        opt_kwargs: extra OptimizerConfig fields.
+        config_kwargs: extra TransformerConfig fields.
+    """
+
+    def __init__(
+        self,
+        ctx,
+        dtype='fp32',
+        overlap=True,
+        distopt=True,
+        expert=True,
+        bucket_size=100,
+        optimizer='adam',
+        lr=1e-2,
+        clip_grad=1.0,
+        seed=1234,
+        micro_batch_size=4,
+        install_hooks=True,
+        ddp_kwargs=None,
+        opt_kwargs=None,
+        config_kwargs=None,
+    ):
+        from megatron.core import parallel_state
+
+        self.ctx = ctx
+        self.dtype = dtype
+        self.seed = seed
+        self.micro_batch_size = micro_batch_size
+        self.config = make_config(dtype, **(config_kwargs or {}))
+        model = build_model(self.config, expert=expert, seed=seed)
+        self.initial = flat_params(model.core)
+        self.initial_state = copy.deepcopy(model.core.state_dict())
+        self.model = wrap_ddp(
+            model, self.config, overlap=overlap, distopt=distopt, bucket_size=bucket_size,
+            **(ddp_kwargs or {}),
+        )
+        self.optimizer = build_optimizer(
+            self.model, dtype=dtype, distopt=distopt, optimizer=optimizer, lr=lr,
+            clip_grad=clip_grad, **(opt_kwargs or {}),
+        )
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.step_index = 0
+        self.config.no_sync_func = None
+        self.config.finalize_model_grads_func = None
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.timers = None
+        if install_hooks:
+            self.install_hooks()
+
+    def install_hooks(self, no_sync=True, finalize=True):
+        """Set the schedule hooks as train() does (no_sync only when overlap_grad_reduce)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        overlap = self.model.ddp_config.overlap_grad_reduce
+        self.config.no_sync_func = self.model.no_sync if (no_sync and overlap) else None
+        self.config.finalize_model_grads_func = finalize_model_grads if finalize else None
+
+    def step(self, num_microbatches=2):
+        """One training step (zero_grad_buffer, forward_backward, optimizer.step).
+
+        Returns:
+            dict with the DP-averaged loss, the grad norm, update success and the step index.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        data = rank_iterator(
+            self.seed, self.step_index, num_microbatches, self.dp_rank, self.ctx.device,
+            self.micro_batch_size,
+        )
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=[self.model],
+            num_microbatches=num_microbatches,
+            seq_length=1,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        local = torch.stack([d['loss'].float() for d in losses]).mean().reshape(1)
+        from megatron.core import parallel_state
+
+        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+        self.step_index += 1
+        return {
+            'loss': local.item() / self.dp_size,
+            'grad_norm': None if grad_norm is None else float(grad_norm),
+            'ok': bool(ok),
+            'step': self.step_index - 1,
+        }
+
+    def params(self):
+        """Float64 vector of the current model params (full on every rank)."""
+        return flat_params(inner_core(self.model))
+
+
+def reference_train(
+    steps,
+    num_microbatches,
+    dp_size,
+    expert=True,
+    optimizer='adam',
+    lr=1e-2,
+    clip_grad=1.0,
+    seed=1234,
+    micro_batch_size=4,
+    initial_state=None,
+):
+    """Single-process float64 reference of the same training (plain torch).
+
+    The loss of a step is the mean over all dp_size * num_microbatches microbatch losses, which is
+    what DDP (grad scaled by 1/dp) plus the schedule (loss / num_microbatches) optimise.
+
+    Returns:
+        dict with losses, grad_norms (pre-clip) and the final float64 param vector.
+    """
+    torch.manual_seed(seed)
+    core = TinyCore(expert=expert)
+    if initial_state is not None:
+        core.load_state_dict(initial_state)
+    core = core.double()
+    if optimizer == 'adam':
+        opt = torch.optim.AdamW(
+            core.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+    else:
+        opt = torch.optim.SGD(core.parameters(), lr=lr, momentum=0.9)
+    losses, norms = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        n = dp_size * num_microbatches
+        for index in range(n):
+            x, y = microbatch(seed, step, index, micro_batch_size)
+            loss = torch.nn.functional.mse_loss(core(x), y) / n
+            loss.backward()
+            total += loss.item()
+        norm = torch.sqrt(sum((p.grad**2).sum() for p in core.parameters())).item()
+        if clip_grad and clip_grad > 0:
+            coeff = clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                for p in core.parameters():
+                    p.grad.mul_(coeff)
+        opt.step()
+        losses.append(total)
+        norms.append(norm)
+    return {'losses': losses, 'grad_norms': norms, 'params': flat_params(core)}
+
+
+def train_steps(
+    ctx,
+    steps=3,
+    num_microbatches=2,
+    dtype='fp32',
+    overlap=True,
+    distopt=True,
+    expert=True,
+    bucket_size=100,
+    optimizer='adam',
+    lr=1e-2,
+    clip_grad=1.0,
+    seed=1234,
+    reference=True,
+    **trainer_kwargs,
+):
+    """Train ``steps`` real steps and (optionally) compare with the float64 reference.
+
+    Returns:
+        dict: losses, grad_norms, ok, param_digest, n_bucket_groups, n_expert_bucket_groups,
+        optimizer class, and with reference=True: ref_losses, ref_grad_norms, max_param_diff,
+        max_loss_diff, max_grad_norm_diff.
+    """
+    trainer = Trainer(
+        ctx, dtype=dtype, overlap=overlap, distopt=distopt, expert=expert, bucket_size=bucket_size,
+        optimizer=optimizer, lr=lr, clip_grad=clip_grad, seed=seed, **trainer_kwargs,
+    )
+    out = [trainer.step(num_microbatches) for _ in range(steps)]
+    params = trainer.params()
+    result = {
+        'losses': [o['loss'] for o in out],
+        'grad_norms': [o['grad_norm'] for o in out],
+        'ok': [o['ok'] for o in out],
+        'param_digest': digest(params),
+        'n_bucket_groups': len(trainer.model.bucket_groups),
+        'n_expert_bucket_groups': len(trainer.model.expert_parallel_bucket_groups),
+        'optimizer': type(trainer.optimizer).__name__,
+        'dp_size': trainer.dp_size,
+    }
+    if reference:
+        ref = reference_train(
+            steps, num_microbatches, trainer.dp_size, expert=expert, optimizer=optimizer, lr=lr,
+            clip_grad=clip_grad, seed=seed, micro_batch_size=trainer.micro_batch_size,
+            initial_state=trainer.initial_state,
+        )
+        result.update(
+            ref_losses=ref['losses'],
+            ref_grad_norms=ref['grad_norms'],
+            max_loss_diff=max(abs(a - b) for a, b in zip(result['losses'], ref['losses'])),
+            max_grad_norm_diff=max(
+                abs(a - b) for a, b in zip(result['grad_norms'], ref['grad_norms'])
+            ),
+            max_param_diff=(params - ref['params']).abs().max().item(),
+        )
+    return result
