@@ -1,0 +1,95 @@
+"""Tests of the harness itself: redirect, tree checks, error reporting, and an upstream-bug proof."""
+
+import os
+import re
+
+import pytest
+
+from tests.harness import TreeShadowedError, call, launcher, run_world
+
+SELF = 'tests.harness.selftest_scenarios'
+PRISTINE = 'pristine-0.18.2'
+CPU_ONLY = pytest.mark.skipif(
+    launcher.backend() != 'gloo', reason='checks the CPU redirect (FORK_TEST_BACKEND=gloo only)'
+)
+
+INFO = call(2, PRISTINE, f'{SELF}:scenario_info')
+RAISE = call(2, PRISTINE, f'{SELF}:scenario_raise', message='boom')
+UNCOVERED = call(2, PRISTINE, f'{SELF}:scenario_uncovered_cuda')
+REDIRECTED = call(2, PRISTINE, f'{SELF}:scenario_redirected')
+INFO_AFTER = call(2, PRISTINE, f'{SELF}:scenario_info')
+WARMUP = 'tests.scenarios.ddp_training:scenario_warmup_then_train'
+WARMUP_ACCUM2 = call(2, PRISTINE, WARMUP, warmup_steps=2, num_microbatches=2, steps=1)
+WARMUP_ACCUM1 = call(2, PRISTINE, WARMUP, warmup_steps=2, num_microbatches=1, steps=2)
+
+
+def test_world_runs_requested_tree():
+    per_rank = INFO.result()
+    tree = os.path.realpath(os.path.join(launcher.REPO, 'build', 'trees', PRISTINE))
+    for rank, r in enumerate(per_rank):
+        assert r['rank'] == rank and r['world_size'] == 2 and r['tree'] == PRISTINE
+        assert os.path.realpath(r['core_file']).startswith(tree + os.sep)
+        assert r['sum'] == 3.0
+
+
+def test_scenario_exception_reported_per_rank_with_exact_text():
+    assert RAISE.result() == [
+        {'error': 'ValueError: boom on rank 0'},
+        {'error': 'ValueError: boom on rank 1'},
+    ]
+    # the world survives an exception: a later call in the same world still runs
+    assert INFO_AFTER.result()[1]['sum'] == 3.0
+
+
+@CPU_ONLY
+def test_redirect_fails_loudly_on_uncovered_cuda_call():
+    for err in UNCOVERED.errors():
+        assert err.startswith(
+            'UncoveredCudaCall: torch.cuda.get_device_properties is not covered by the CPU '
+            'redirect (tests/harness/cpu_redirect.py)'
+        ), err
+
+
+@CPU_ONLY
+def test_redirected_calls_land_on_cpu():
+    for r in REDIRECTED.result():
+        assert r == {
+            'zeros_device': 'cpu',
+            'ones_device': 'cpu',
+            'type_fp32': 'torch.cuda.FloatTensor',
+            'type_bf16': 'torch.cuda.BFloat16Tensor',
+            'cuda_call_device': 'cpu',
+            'to_device': 'cpu',
+        }
+
+
+def test_launcher_refuses_shadowed_tree(tmp_path):
+    (tmp_path / 'megatron').mkdir()  # a tree whose megatron.core comes from somewhere else
+    env = {'PYTHONPATH': os.path.realpath(os.path.join(launcher.REPO, 'build', 'trees', PRISTINE))}
+    with pytest.raises(TreeShadowedError, match='is not under the tree under test'):
+        run_world(1, str(tmp_path), [(f'{SELF}:scenario_info', {})], timeout=300, extra_env=env)
+
+
+def test_unknown_tree_label_is_refused():
+    with pytest.raises(launcher.HarnessError, match='unknown tree'):
+        launcher.resolve_tree('not-a-tree')
+
+
+def test_counterfactual_warmup_without_no_sync_hits_upstream_assertion():
+    """Upstream 0.18.2 bug reproduced on CPU ranks: a warm-up with accumulation 2 and no
+    no_sync_func calibrates the DDP buckets with 2 grad-ready counts per param; the first real
+    step with no_sync then never issues the bucket's reduction and finish_grad_sync asserts."""
+    pattern = re.compile(
+        r'AssertionError: Communication call has not been issued for this bucket '
+        r'\((\d+)/(\d+) params have grad available\)'
+    )
+    for err in WARMUP_ACCUM2.errors():
+        m = pattern.fullmatch(err or '')
+        assert m, err
+        assert m.group(1) == m.group(2)
+
+
+def test_counterfactual_control_accumulation_1_trains():
+    for r in WARMUP_ACCUM1.result():
+        assert 'error' not in r, r
+        assert len(r['losses']) == 2 and all(x == x for x in r['losses'])
