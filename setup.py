@@ -1,0 +1,96 @@
+"""Build the fork as the distribution ``megatron-core`` at version ``<base>+fork.<N>``.
+
+The sources are the materialized tree ``megatron/`` (pinned upstream + ``patches/series``), which
+``tools/fork.py materialize`` creates; this script materializes it when it is missing. The dataset
+helper ``helpers.cpp`` is compiled for the running Python. The package ``megatron_fork`` (our
+tooling) ships alongside, with a manifest of the base, its hashes and the applied patches, so that
+``megatron-fork verify`` can check an installation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "tools"))
+
+from megatron_fork import manifest, queue, series, upstream  # noqa: E402  pylint: disable=C0413
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension
+except ImportError:  # building metadata only
+    Pybind11Extension = None
+
+PIN = upstream.load_pin()
+BASE = PIN["primary"]["name"]
+PATCHES = series.load_series()
+VERSION = f"{PIN['bases'][BASE]['version']}+fork.{len(PATCHES)}"
+
+if not queue.TREE.exists():
+    subprocess.run([sys.executable, str(HERE / "tools" / "fork.py"), "materialize"], check=True)
+if not queue.is_current() and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
+    sys.exit(
+        "megatron/ does not match patches/ (edits not exported, or patches changed since it was "
+        "materialized). Run `tools/fork.py export` or `tools/fork.py materialize`; set "
+        "MEGATRON_FORK_ALLOW_STALE=1 to build it anyway."
+    )
+
+
+class BuildPyWithManifest(build_py):
+    """build_py that also writes megatron_fork/manifest.json describing what is installed."""
+
+    def run(self):
+        super().run()
+        data = manifest.build_manifest(self.build_lib, PIN, BASE, PATCHES, VERSION)
+        out = Path(self.build_lib) / "megatron_fork" / manifest.MANIFEST_NAME
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def package_data():
+    """Ship every non-Python upstream file (README, requirements, helpers.cpp, configs)."""
+    data = {}
+    for path in (HERE / "megatron").rglob("*"):
+        if path.is_file() and path.suffix not in (".py", ".pyc", ".so") and "__pycache__" not in path.parts:
+            pkg = ".".join(path.parent.relative_to(HERE).parts)
+            data.setdefault(pkg, []).append(path.name)
+    return data
+
+
+ext_modules = []
+if Pybind11Extension is not None:
+    ext_modules.append(
+        Pybind11Extension(
+            "megatron.core.datasets.helpers_cpp",
+            sources=["megatron/core/datasets/helpers.cpp"],
+            language="c++",
+            extra_compile_args=["-O3", "-Wall", "-std=c++17"],
+        )
+    )
+
+setup(
+    name="megatron-core",
+    version=VERSION,
+    description="megatron-core with the fork's distributed-training fixes (see patches/series)",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache 2.0",
+    python_requires=">=3.12",
+    packages=find_namespace_packages(include=["megatron.core*", "megatron.training*"])
+    + ["megatron_fork"],
+    package_dir={"megatron_fork": "tools/megatron_fork"},
+    package_data=package_data(),
+    ext_modules=ext_modules,
+    cmdclass={"build_py": BuildPyWithManifest},
+    # The same runtime requirements as upstream megatron-core 0.18.2.
+    install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
+    extras_require={
+        "training": ["pyyaml", "einops~=0.8"],
+    },
+    entry_points={"console_scripts": ["megatron-fork-verify=megatron_fork.manifest:main_verify"]},
+)

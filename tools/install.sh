@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The one install script of the fork, shared by the README, CI and both container targets.
+#
+#   tools/install.sh [--python PY] [--venv DIR | --no-venv] [--wheel-dir DIR] [--offline]
+#                    [--no-torch] [--test-deps]
+#
+#   --python PY      interpreter to use (default: pyenv 3.12.1 if present, else python3.12)
+#   --venv DIR       create/reuse a virtual environment there (default: .venv)
+#   --no-venv        install into PY's own environment (containers)
+#   --wheel-dir DIR  directory with the pre-downloaded, hash-pinned upstream wheel
+#   --offline        no network: upstream from --wheel-dir or the cache; build deps must be present
+#   --no-torch       never install or reinstall torch (containers keep the image's torch)
+#   --test-deps      also install tools/requirements-test.txt (the CPU test suite)
+#
+# It materializes megatron/ (pinned megatron-core + patches/series) unless it is already
+# current, pip-installs the repo as megatron-core <base>+fork.<N>, and runs `verify --import`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+py="" venv=".venv" wheel_dir="" offline=0 torch=1 test_deps=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python) py="$2"; shift 2 ;;
+    --venv) venv="$2"; shift 2 ;;
+    --no-venv) venv=""; shift ;;
+    --wheel-dir) wheel_dir="$2"; shift 2 ;;
+    --offline) offline=1; shift ;;
+    --no-torch) torch=0; shift ;;
+    --test-deps) test_deps=1; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+if [ -z "$py" ]; then
+  if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -qx 3.12.1; then
+    py="env PYENV_VERSION=3.12.1 python3.12"
+  elif command -v python3.12 >/dev/null 2>&1; then
+    py="python3.12"
+  else
+    py="python3"
+  fi
+fi
+if [ -n "$venv" ]; then
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "==> creating virtual environment $venv with $py"
+    $py -m venv "$venv"
+  fi
+  py="$(cd "$venv" && pwd)/bin/python"
+fi
+$py -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "megatron-core 0.18.2 needs Python >= 3.12, got " + sys.version)'
+
+pip=($py -m pip install --disable-pip-version-check -q)
+[ "$offline" = 1 ] && pip+=(--no-index ${wheel_dir:+--find-links "$wheel_dir"})
+
+if [ "$torch" = 1 ] && ! $py -c 'import torch' 2>/dev/null; then
+  echo "==> installing torch==2.13.0 (not present)"
+  "${pip[@]}" torch==2.13.0
+fi
+if [ "$offline" = 0 ]; then
+  "${pip[@]}" "setuptools>=80" pybind11 "packaging>=24.2" numpy wheel
+fi
+if [ "$test_deps" = 1 ]; then
+  "${pip[@]}" -r tools/requirements-test.txt
+fi
+
+src=()
+[ -n "$wheel_dir" ] && src+=(--wheel-dir "$wheel_dir")
+[ "$offline" = 1 ] && src+=(--offline)
+echo "==> materializing megatron/ (pinned upstream + patches/series)"
+$py tools/fork.py materialize --if-stale "${src[@]}"
+
+echo "==> installing the fork (no torch reinstall, no build isolation)"
+"${pip[@]}" --no-deps --no-build-isolation .
+"${pip[@]}" pyyaml "einops~=0.8"
+
+echo "==> verify"
+(cd / && $py -m megatron_fork.manifest --import)

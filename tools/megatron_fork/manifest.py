@@ -1,0 +1,149 @@
+"""The install manifest (written at build time) and ``verify`` of an installed fork."""
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from .upstream import sha256_file
+
+MANIFEST_NAME = "manifest.json"
+# Names that only the test suite's CUDA-on-CPU redirect uses; none may ever ship.
+TEST_ONLY_MARKERS = ("cpu_redirect", "tests/harness")
+
+
+def build_manifest(lib_root, pin, base_name, patches, fork_version):
+    """Describe an install: base, hashes, applied patches and every shipped megatron file.
+
+    Args:
+        lib_root: the directory that holds the ``megatron/`` being installed.
+        pin: the loaded pin.
+        base_name: the base the tree was built on.
+        patches: the applied patch objects, in order.
+        fork_version: the distribution version, e.g. ``0.18.2+fork.5``.
+    """
+    lib_root = Path(lib_root)
+    base = pin["bases"][base_name]
+    files = {
+        p.relative_to(lib_root).as_posix(): sha256_file(p)
+        for p in sorted(lib_root.glob("megatron/**/*"))
+        if p.is_file() and p.suffix in (".py", ".cpp", ".md", ".txt", ".json", ".yaml")
+    }
+    return {
+        "distribution": "megatron-core",
+        "version": fork_version,
+        "base": {
+            "name": base_name,
+            "wheel": base["wheel"],
+            "sha256": base["sha256"],
+            "py_tree_sha256": base["py_tree_sha256"],
+        },
+        "cherry_pick_target": pin.get("git_bases", {}).get("dev", {}).get("commit"),
+        "patches": [
+            {
+                "name": p.name,
+                "sha256": hashlib.sha256(p.path.read_bytes()).hexdigest(),
+                "upstream_status": p.upstream_status,
+            }
+            for p in patches
+        ],
+        "files": files,
+    }
+
+
+def installed_manifest():
+    """Return the manifest path of the installed megatron-core distribution (it may not exist)."""
+    try:
+        dist = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return Path(__file__).resolve().parent / MANIFEST_NAME
+    return Path(dist.locate_file(f"megatron_fork/{MANIFEST_NAME}"))
+
+
+def verify(manifest_path=None, do_import=False):
+    """Check the installed ``megatron`` against the manifest.
+
+    Args:
+        manifest_path: the manifest to check against (default: the installed one).
+        do_import: also import megatron.core and megatron.training.
+
+    Returns:
+        (ok, report lines)
+    """
+    report, ok = [], True
+    if manifest_path is None:
+        manifest_path = installed_manifest()
+    manifest_path = Path(manifest_path)
+    if not manifest_path.is_file():
+        return False, [
+            f"no fork manifest at {manifest_path}: the fork is not installed here "
+            "(run tools/install.sh, or pip install . after tools/fork.py materialize)"
+        ]
+    manifest = json.loads(manifest_path.read_text())
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.origin:
+        return False, ["megatron.core is not importable"]
+    core_dir = Path(spec.origin).resolve().parent
+    root = core_dir.parent.parent
+    report.append(f"megatron.core resolves to {core_dir}")
+    if root != manifest_path.resolve().parent.parent:
+        ok = False
+        report.append(
+            f"SHADOWED: megatron.core at {core_dir} is not the fork installed with {manifest_path}; "
+            "an upstream megatron-core (or another checkout) comes first on sys.path"
+        )
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version != manifest["version"]:
+        ok = False
+        report.append(
+            f"distribution megatron-core is {version!r}, the manifest says {manifest['version']!r}: "
+            "an upstream megatron-core is installed over or beside the fork"
+        )
+    bad = []
+    for rel, digest in manifest["files"].items():
+        path = root / rel
+        if not path.is_file():
+            bad.append(f"missing {rel}")
+        elif sha256_file(path) != digest:
+            bad.append(f"modified {rel}")
+    shipped = {p.relative_to(root).as_posix() for p in root.glob("megatron/**/*.py")}
+    extra = sorted(shipped - set(manifest["files"]))
+    bad += [f"unexpected {rel}" for rel in extra]
+    leaked = [rel for rel in shipped if any(m in rel for m in TEST_ONLY_MARKERS)]
+    bad += [f"test-only code shipped: {rel}" for rel in leaked]
+    if bad:
+        ok = False
+        report += bad[:20] + ([f"... and {len(bad) - 20} more"] if len(bad) > 20 else [])
+    report.append(
+        f"base megatron-core {manifest['base']['name']} ({manifest['base']['wheel']}, sha256 "
+        f"{manifest['base']['sha256'][:16]}...), {len(manifest['files'])} files checked, "
+        f"{len(manifest['patches'])} patches: " + ", ".join(p["name"] for p in manifest["patches"])
+    )
+    if do_import:
+        try:
+            import megatron.core  # noqa: F401  pylint: disable=import-outside-toplevel
+            import megatron.training  # noqa: F401  pylint: disable=import-outside-toplevel
+
+            report.append("import megatron.core, megatron.training: ok")
+        except Exception as exc:  # pylint: disable=broad-except
+            ok = False
+            report.append(f"import failed: {type(exc).__name__}: {exc}")
+    report.append("verify: OK" if ok else "verify: FAILED")
+    return ok, report
+
+
+def main_verify(argv=None):
+    """Console entry point ``megatron-fork-verify``."""
+    args = sys.argv[1:] if argv is None else argv
+    ok, report = verify(do_import="--import" in args)
+    sys.stdout.write("\n".join(report) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main_verify())

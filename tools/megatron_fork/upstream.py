@@ -1,0 +1,199 @@
+"""The upstream pin (patches/upstream.toml) and how a pinned upstream tree is obtained."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+from . import EXIT_HASH, EXIT_UNAVAILABLE, EXIT_USAGE, ForkError
+
+REPO = Path(__file__).resolve().parents[2]
+PIN_FILE = REPO / "patches" / "upstream.toml"
+# Upstream files that are shipped in the wheel but are build products, not sources.
+SKIPPED_SUFFIXES = (".so", ".pyc")
+
+
+def cache_dir():
+    """Return the wheel cache directory ($MEGATRON_FORK_CACHE or ~/.cache/megatron-fork)."""
+    root = os.environ.get("MEGATRON_FORK_CACHE") or Path.home() / ".cache" / "megatron-fork"
+    return Path(root)
+
+
+def load_pin(path=PIN_FILE):
+    """Load and validate the pin file.
+
+    Args:
+        path: the TOML file to read.
+
+    Returns:
+        The parsed dictionary.
+    """
+    try:
+        with open(path, "rb") as f:
+            pin = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ForkError(f"cannot read the upstream pin {path}: {exc}", EXIT_USAGE) from exc
+    for name, base in pin.get("bases", {}).items():
+        for key in ("version", "wheel", "sha256", "py_tree_sha256"):
+            if key not in base:
+                raise ForkError(f"{path}: base {name!r} lacks {key!r}", EXIT_USAGE)
+    if pin.get("primary", {}).get("name") not in pin.get("bases", {}):
+        raise ForkError(f"{path}: [primary] name must be one of the [bases]", EXIT_USAGE)
+    return pin
+
+
+def base_entry(pin, name):
+    """Return the pin entry of base ``name`` or fail naming the known bases."""
+    bases = pin["bases"]
+    if name not in bases:
+        raise ForkError(f"unknown base {name!r}; the pin knows {', '.join(bases)}", EXIT_USAGE)
+    return bases[name]
+
+
+def sha256_file(path):
+    """Return the hex sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def py_tree_digest(root):
+    """Digest of every ``megatron/**/*.py`` under ``root``: sha256 of sorted "hash  path" lines.
+
+    It identifies an upstream source tree independently of how it was obtained (wheel or git).
+
+    Args:
+        root: a directory that contains ``megatron/``.
+    """
+    root = Path(root)
+    lines = []
+    for path in sorted(p.relative_to(root).as_posix() for p in root.glob("megatron/**/*.py")):
+        lines.append(f"{sha256_file(root / path)}  {path}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def _verified(path, base):
+    actual = sha256_file(path)
+    if actual != base["sha256"]:
+        raise ForkError(
+            f"sha256 mismatch for {path}: expected {base['sha256']} (pinned for megatron-core "
+            f"{base['version']}), got {actual}; refusing to use it",
+            EXIT_HASH,
+        )
+    return path
+
+
+def fetch_wheel(pin, name, wheel=None, wheel_dir=None, offline=False):
+    """Return the path of the hash-verified wheel of base ``name``, downloading it if allowed.
+
+    Args:
+        pin: the loaded pin.
+        name: the base name, e.g. "0.18.2".
+        wheel: an explicit local wheel file to use (verified against the pin).
+        wheel_dir: a directory holding pre-downloaded wheels (offline builds).
+        offline: never touch the network; use ``wheel``, ``wheel_dir`` or the cache only.
+    """
+    base = base_entry(pin, name)
+    if wheel:
+        if not Path(wheel).is_file():
+            raise ForkError(f"wheel {wheel} does not exist", EXIT_UNAVAILABLE)
+        return _verified(Path(wheel), base)
+    candidates = [Path(d) / base["wheel"] for d in filter(None, [wheel_dir, cache_dir()])]
+    for candidate in candidates:
+        if candidate.is_file():
+            return _verified(candidate, base)
+    if offline:
+        looked = ", ".join(str(c) for c in candidates)
+        raise ForkError(
+            f"megatron-core {base['version']} is not available offline (looked for {looked}); "
+            "pass --wheel FILE, --wheel-dir DIR or --git-repo DIR, or run once with network",
+            EXIT_UNAVAILABLE,
+        )
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.12", "--implementation", "cp",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64",
+            "--disable-pip-version-check", "-q", "-d", tmp,
+            f"{base.get('distribution', 'megatron-core')}=={base['version']}",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / base["wheel"]
+        if proc.returncode != 0 or not got.is_file():
+            raise ForkError(
+                f"could not download {base['wheel']}: {proc.stderr.strip()[-500:]}",
+                EXIT_UNAVAILABLE,
+            )
+        _verified(got, base)
+        os.replace(got, cache / base["wheel"])
+    return cache / base["wheel"]
+
+
+def extract_wheel(wheel_path, dest):
+    """Extract the upstream sources (``megatron/**``, no build products) of a wheel into ``dest``."""
+    with zipfile.ZipFile(wheel_path) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if not name.startswith("megatron/") or name.endswith("/"):
+                continue
+            if name.endswith(SKIPPED_SUFFIXES):
+                continue
+            target = Path(dest) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out)
+
+
+def extract_git(repo, rev, dest):
+    """Extract ``megatron/core`` and ``megatron/training`` of a local Megatron-LM checkout."""
+    if not Path(repo).exists():
+        raise ForkError(f"git checkout {repo} does not exist", EXIT_UNAVAILABLE)
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", rev, "megatron/core", "megatron/training"],
+        capture_output=True,
+    )
+    if archive.returncode != 0:
+        raise ForkError(
+            f"cannot read revision {rev!r} from {repo}: {archive.stderr.decode().strip()}",
+            EXIT_UNAVAILABLE,
+        )
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+
+
+def obtain_tree(pin, name, dest, wheel=None, wheel_dir=None, offline=False, git_repo=None, rev=None):
+    """Write the pristine upstream tree of base ``name`` into ``dest`` and return a description.
+
+    Args:
+        pin: the loaded pin.
+        name: the base name.
+        dest: an empty directory; ``dest/megatron`` is created.
+        wheel: see :func:`fetch_wheel`.
+        wheel_dir: see :func:`fetch_wheel`.
+        offline: see :func:`fetch_wheel`.
+        git_repo: a local Megatron-LM checkout to read instead of the wheel.
+        rev: the revision of ``git_repo`` (default: the base's ``git_tag``).
+    """
+    base = base_entry(pin, name)
+    if git_repo:
+        rev = rev or base.get("git_tag")
+        extract_git(git_repo, rev, dest)
+        digest = py_tree_digest(dest)
+        if digest != base["py_tree_sha256"]:
+            raise ForkError(
+                f"{git_repo}@{rev} is not megatron-core {base['version']}: its megatron/**/*.py "
+                f"digest is {digest}, the pin says {base['py_tree_sha256']}",
+                EXIT_HASH,
+            )
+        return f"{git_repo}@{rev}"
+    path = fetch_wheel(pin, name, wheel=wheel, wheel_dir=wheel_dir, offline=offline)
+    extract_wheel(path, dest)
+    return f"{path.name} (sha256 {base['sha256']})"
