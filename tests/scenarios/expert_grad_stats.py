@@ -1,0 +1,358 @@
+"""Scenarios: expert-aware gradient statistics (grad norm, zero count) of the standard optimizers.
+
+Every scenario runs on all ranks of a harness world, initialises model parallel state itself and
+returns a JSON-able dict. The expected values never come from megatron: they are computed from the
+*logical* (deduplicated) parameters that the per-rank shards were cut from, in FP64.
+
+Logical model used by the layout scenarios (all parameters bf16, PP = CP = 1):
+- ``dense_rep``: replicated over TP and DP (not tensor-parallel), 3 elements.
+- ``dense_tp``: tensor-parallel over TP (partition_dim 0), 2 elements per TP rank.
+- ``expert_rep``: one distinct tensor per EP rank, replicated over ETP and expert DP, 3 elements,
+  ``allreduce=False``.
+- ``expert_tp``: one distinct tensor per EP rank, tensor-parallel over ETP, 2 elements per ETP
+  rank, ``allreduce=False``.
+"""
+
+import math
+
+import torch
+
+DENSE_REP, DENSE_TP_SHARD, EXPERT_REP, EXPERT_TP_SHARD = 3, 2, 3, 2
+
+
+def layouts(world_size):
+    """Every (tp, ep, etp) with PP = CP = 1 that fits ``world_size`` ranks."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    out = []
+    for tp in divisors:
+        for ep in divisors:
+            for etp in divisors:
+                if world_size % (ep * etp) == 0:
+                    out.append((tp, ep, etp))
+    return out
+
+
+class _Params(torch.nn.Module):
+    """A bag of parameters; DDP and the optimizers only need ``named_parameters``."""
+
+    def __init__(self, shapes, expert_names, tp_names, device):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        for name, numel in shapes.items():
+            param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16, device=device))
+            if name in tp_names:
+                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+            if name in expert_names:
+                param.allreduce = False
+            setattr(self, name, param)
+
+
+def _build(ctx, tp, ep, etp, shapes, expert_names, tp_names, use_distributed_optimizer):
+    """DDP-wrap the parameters and build the standard bf16 optimizer (chained dense + expert)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
+    )
+    model = DistributedDataParallel(
+        cfg, ddp_cfg, _Params(shapes, expert_names, tp_names, ctx.device)
+    )
+    opt_cfg = OptimizerConfig(
+        optimizer='adam',
+        lr=0.0,
+        bf16=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        clip_grad=0.0,
+        log_num_zeros_in_grad=True,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False)
+    return model, optimizer
+
+
+def _children(optimizer):
+    return list(getattr(optimizer, 'chained_optimizers', [optimizer]))
+
+
+def _expert_allreduce_seen(optimizer):
+    """``allreduce`` of every param the expert child optimizer holds (None if the attr is absent)."""
+    seen = []
+    for child in _children(optimizer):
+        for param in child.get_parameters():
+            seen.append(getattr(param, 'allreduce', None))
+    return seen
+
+
+def _stats(model, optimizer, grads):
+    """Write ``grads`` (name -> local tensor) into main_grad and read the optimizer's statistics."""
+    module = model.module
+    for name, value in grads.items():
+        getattr(module, name).main_grad.copy_(value)
+    found_inf = optimizer.prepare_grads()
+    return {
+        'found_inf': bool(found_inf),
+        'norm': float(optimizer.get_grad_norm()),
+        'zeros': int(optimizer.count_zeros()),
+    }
+
+
+def _groups(ctx):
+    from megatron.core import parallel_state as ps
+
+    return {
+        'tp': ps.get_tensor_model_parallel_world_size(),
+        'ep': ps.get_expert_model_parallel_world_size(),
+        'etp': ps.get_expert_tensor_parallel_world_size(),
+        'dp': ps.get_data_parallel_world_size(),
+        'expert_dp': ps.get_expert_data_parallel_world_size(),
+    }
+
+
+def scenario_exact_oracle(ctx, use_distributed_optimizer):
+    """TP = EP = world, ETP = 1: one replicated dense scalar and one distinct expert scalar per rank.
+
+    Expected: grads all 1 -> norm sqrt(1 + world); grads all 0 -> zero count 1 + world.
+    """
+    from megatron.core import parallel_state as ps
+
+    world = ctx.world_size
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=world,
+        expert_model_parallel_size=world,
+        expert_tensor_parallel_size=1,
+    )
+    model, optimizer = _build(
+        ctx,
+        world,
+        world,
+        1,
+        {'dense': 1, 'expert': 1},
+        {'expert'},
+        set(),
+        use_distributed_optimizer,
+    )
+    ones = _stats(model, optimizer, {'dense': torch.ones(1), 'expert': torch.ones(1)})
+    zeros = _stats(model, optimizer, {'dense': torch.zeros(1), 'expert': torch.zeros(1)})
+    children = _children(optimizer)
+    return {
+        'groups': _groups(ctx),
+        'norm': ones['norm'],
+        'zeros': zeros['zeros'],
+        'expected_norm': math.sqrt(1 + world),
+        'expected_zeros': 1 + world,
+        'found_inf': ones['found_inf'] or zeros['found_inf'],
+        'children': [type(c).__name__ for c in children],
+        'children_expert_tp_group_is_etp': [
+            getattr(c, 'expert_tp_group', None) is ps.get_expert_tensor_parallel_group()
+            for c in children
+        ],
+        'children_tp_group_is_tp': [
+            getattr(c, 'tp_group', None) is ps.get_tensor_model_parallel_group() for c in children
+        ],
+        'expert_allreduce_seen': _expert_allreduce_seen(optimizer),
+    }
+
+
+def _logical(seed, tp, ep, etp):
+    """Logical gradients (FP64 and exactly representable in bf16) for one draw."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        # Multiples of 1/8 in [-2, 2]: exact in bf16; about 1 in 9 is zero; some draws all zero.
+        vals = torch.randint(-16, 17, shape, generator=gen).double() / 8.0
+        mask = torch.rand(shape, generator=gen) < 0.2
+        return vals.masked_fill(mask, 0.0)
+
+    return {
+        'dense_rep': draw(DENSE_REP),
+        'dense_tp': draw(tp * DENSE_TP_SHARD),
+        'expert_rep': draw(ep, EXPERT_REP),
+        'expert_tp': draw(ep, etp * EXPERT_TP_SHARD),
+    }
+
+
+def _local(logical, tp_rank, ep_rank, etp_rank):
+    d, e = DENSE_TP_SHARD, EXPERT_TP_SHARD
+    return {
+        'dense_rep': logical['dense_rep'],
+        'dense_tp': logical['dense_tp'][tp_rank * d : (tp_rank + 1) * d],
+        'expert_rep': logical['expert_rep'][ep_rank],
+        'expert_tp': logical['expert_tp'][ep_rank][etp_rank * e : (etp_rank + 1) * e],
+    }
+
+
+def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(False, True)):
+    """Random gradients over several (tp, ep, etp) layouts in one world.
+
+    Args:
+        layout_list: list of [tp, ep, etp]; each is initialised, measured and destroyed in turn.
+        seeds: gradient draws per layout (one logical draw per seed, sharded per rank).
+        use_distributed_optimizer_values: optimizer kinds to build per layout.
+
+    Returns:
+        {'cases': [...]} with, per (layout, optimizer, seed): the reported norm and zero count and
+        the FP64 oracle over the logical parameters.
+    """
+    from megatron.core import parallel_state as ps
+
+    shapes = {
+        'dense_rep': DENSE_REP,
+        'dense_tp': DENSE_TP_SHARD,
+        'expert_rep': EXPERT_REP,
+        'expert_tp': EXPERT_TP_SHARD,
+    }
+    cases = []
+    for tp, ep, etp in layout_list:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        try:
+            coords = (
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_expert_model_parallel_rank(),
+                ps.get_expert_tensor_parallel_rank(),
+            )
+            for distopt in use_distributed_optimizer_values:
+                model, optimizer = _build(
+                    ctx,
+                    tp,
+                    ep,
+                    etp,
+                    shapes,
+                    {'expert_rep', 'expert_tp'},
+                    {'dense_tp', 'expert_tp'},
+                    distopt,
+                )
+                for seed in seeds:
+                    logical = _logical(seed, tp, ep, etp)
+                    local = {k: v.float() for k, v in _local(logical, *coords).items()}
+                    got = _stats(model, optimizer, local)
+                    flat = torch.cat([v.reshape(-1) for v in logical.values()])
+                    cases.append(
+                        {
+                            'layout': [tp, ep, etp],
+                            'distopt': distopt,
+                            'seed': seed,
+                            'norm': got['norm'],
+                            'zeros': got['zeros'],
+                            'oracle_norm': float(flat.pow(2).sum().sqrt()),
+                            'oracle_zeros': int((flat == 0).sum()),
+                        }
+                    )
+                del model, optimizer
+        finally:
+            ps.destroy_model_parallel()
+    return {'cases': cases}
+
+
+def scenario_expert_layer_sync(ctx, tp, ep, etp):
+    """Item 6: real expert linear layers with EP = 1 and ETP != TP (or any layout).
+
+    Builds an expert ColumnParallelLinear (no bias) and RowParallelLinear (with bias) from
+    megatron's local tensor-parallel layers, wraps them in DDP and reports:
+    - the ``allreduce`` flag each layer put on its params and the DDP buffer kind (dense or expert)
+      that holds them, with the size of the data-parallel group that reduces that buffer;
+    - gradient synchronisation: every rank writes ``rank + 1`` into every main_grad and runs
+      ``finish_grad_sync``; correct sync sums an expert param over the expert-DP group only
+      (after DDP's 1/|dense DP| scaling);
+    - the grad norm with all-ones grads against the logical count of expert weight elements.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    hidden, ffn = 4, 8
+    kwargs = {}
+    if ep > 1:
+        kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        **kwargs,
+    )
+
+    class _Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            common = dict(config=cfg, init_method=lambda w: None, is_expert=True)
+            self.fc1 = ColumnParallelLinear(
+                hidden, ffn, bias=False, gather_output=False, skip_bias_add=True, **common
+            )
+            self.fc2 = RowParallelLinear(
+                ffn, hidden, bias=True, input_is_parallel=True, skip_bias_add=True, **common
+            )
+
+    model = DistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
+    )
+    names = ['fc1.weight', 'fc2.weight', 'fc2.bias']
+    params = dict(model.module.named_parameters())
+    expert_buffer_params = {p for b in model.expert_parallel_buffers for p in b.params}
+    placement = {n: ('expert' if params[n] in expert_buffer_params else 'dense') for n in names}
+    allreduce = {n: getattr(params[n], 'allreduce', None) for n in names}
+    shapes = {n: list(params[n].shape) for n in names}
+
+    # Gradient synchronisation.
+    for n in names:
+        params[n].main_grad.fill_(float(ctx.rank + 1))
+    model.finish_grad_sync()
+    synced = {n: float(params[n].main_grad.flatten()[0]) for n in names}
+    edp = ps.get_expert_data_parallel_group()
+    edp_ranks = torch.distributed.get_process_group_ranks(edp)
+    # DDP scales every grad by 1/|dense DP| and sums over the group that owns the param; an expert
+    # param is owned by the expert-DP group.
+    dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    correct = sum(r + 1 for r in edp_ranks) / dense_dp
+
+    # Grad norm with all-ones grads (bf16 optimizer, non-distributed).
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer='adam', lr=0.0, bf16=True, clip_grad=0.0),
+        [model],
+        use_gloo_process_groups=False,
+    )
+    for n in names:
+        params[n].main_grad.fill_(1.0)
+    opt.prepare_grads()
+    norm = float(opt.get_grad_norm())
+    # Logical expert elements: fc1/fc2 weights are split over ETP, distinct per EP rank; the
+    # fc2 bias (not tensor-parallel) is replicated over ETP. Each expert (EP rank) owns one copy.
+    logical = ep * (hidden * ffn + ffn * hidden + hidden)
+    return {
+        'groups': _groups(ctx),
+        'allreduce': allreduce,
+        'buffer': placement,
+        'shapes': shapes,
+        'expert_dp_ranks': edp_ranks,
+        'grad_after_sync': synced,
+        'correct_grad_after_sync': correct,
+        'norm': norm,
+        'expected_norm': math.sqrt(logical),
+    }
