@@ -1,0 +1,108 @@
+"""Static checks of the Dockerfile (no Docker engine needed) plus hadolint when installed."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCKERFILE = os.path.join(REPO, 'Dockerfile')
+
+
+def read_dockerfile():
+    """Dockerfile text with continuation lines joined."""
+    with open(DOCKERFILE) as fh:
+        return fh.read().replace('\\\n', ' ')
+
+
+def instructions():
+    """(instruction, argument) pairs, comments dropped."""
+    out = []
+    for line in read_dockerfile().splitlines():
+        line = line.strip()
+        if line and not line.startswith('#'):
+            word, _, rest = line.partition(' ')
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def stages():
+    """Maps each stage name to its list of instructions."""
+    result, current = {}, None
+    for word, arg in instructions():
+        if word == 'FROM':
+            m = re.match(r'(\S+)(?:\s+AS\s+(\S+))?', arg, re.I)
+            current = m.group(2) or m.group(1)
+            result[current] = [(word, arg)]
+        elif current is not None:
+            result[current].append((word, arg))
+    return result
+
+
+def test_hadolint_passes():
+    exe = shutil.which('hadolint')
+    if exe is None:
+        pytest.skip('hadolint not installed (pip install -r tools/lint-requirements.txt)')
+    res = subprocess.run(
+        [exe, '--config', os.path.join(REPO, '.hadolint.yaml'), DOCKERFILE],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_base_images_are_pinned_args():
+    args = {}
+    for word, arg in instructions():
+        if word == 'ARG' and '=' in arg:
+            key, value = arg.split('=', 1)
+            args[key] = value
+    cuda, rocm = args['CUDA_BASE_IMAGE'], args['ROCM_BASE_IMAGE']
+    assert re.match(r'^nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3@sha256:[0-9a-f]{64}$', cuda)
+    assert re.match(r'^rocm/pytorch:rocm[\w.]+@sha256:[0-9a-f]{64}$', rocm)
+    assert re.match(r'^[0-9a-f]{40}$', args['ROCM_TE_COMMIT']), 'TE for ROCm: pinned commit'
+    froms = [arg for word, arg in instructions() if word == 'FROM']
+    for arg in froms:
+        image = arg.split()[0]
+        assert image.startswith('${') or image in stages(), f'FROM not via a pinned ARG: {arg}'
+
+
+def test_both_vendor_targets_exist():
+    names = stages()
+    assert names['cuda'][0][1].startswith('${CUDA_BASE_IMAGE}')
+    assert names['rocm'][0][1].startswith('${ROCM_BASE_IMAGE}')
+
+
+@pytest.mark.parametrize('target', ['cuda', 'rocm'])
+def test_target_runs_shared_installer_and_smoke(target):
+    runs = ' '.join(arg for word, arg in stages()[target] if word == 'RUN')
+    assert 'tools/install.sh --no-venv --no-torch' in runs
+    assert '--offline' in runs and 'UPSTREAM_WHEEL_DIR' in runs
+    assert 'python tools/fork.py verify' in runs
+    assert re.search(r'import megatron\.core, megatron\.training', runs)
+    # the smoke step comes after the install
+    assert runs.index('tools/install.sh') < runs.index('tools/fork.py verify')
+
+
+def test_torch_is_never_reinstalled():
+    for name, body in stages().items():
+        for word, arg in body:
+            if word != 'RUN':
+                continue
+            for cmd in re.split(r'&&|;|\|\|', arg):
+                if re.search(r'\bpip\b.*\binstall\b', cmd):
+                    assert not re.search(r'\btorch\b(?!_)', cmd), f'{name}: {cmd.strip()}'
+                    assert '--no-deps' in cmd, f'{name}: pip install may pull torch: {cmd.strip()}'
+                if 'install.sh' in cmd:
+                    assert '--no-torch' in cmd, f'{name}: {cmd.strip()}'
+
+
+def test_structure_rules_catch_a_torch_reinstall(monkeypatch):
+    """Counterfactual: the torch rule fires on a Dockerfile that reinstalls torch."""
+    bad = read_dockerfile() + '\nFROM cuda AS bad\nRUN python -m pip install torch==2.13.0\n'
+    monkeypatch.setitem(globals(), 'read_dockerfile', lambda: bad)
+    with pytest.raises(AssertionError):
+        test_torch_is_never_reinstalled()
