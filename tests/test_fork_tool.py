@@ -1,0 +1,262 @@
+"""Tests of tools/fork.py: bad input gives a clear error and loses nothing.
+
+Each test works in a sandbox copy of tools/ and patches/upstream.toml, with the real pinned
+megatron-core 0.18.2 wheel from the shared cache (fetched once per session).
+"""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = "megatron/core/distributed/distributed_data_parallel_config.py"
+
+
+def run(sandbox, *args, env=None):
+    """Run the sandbox's tools/fork.py and return the CompletedProcess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(sandbox / "tools" / "fork.py"), *args],
+        cwd=sandbox,
+        capture_output=True,
+        text=True,
+        env=full_env,
+    )
+
+
+@pytest.fixture(scope="session")
+def pinned_wheel():
+    """The hash-verified 0.18.2 wheel in the cache (downloads it once if needed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "fork.py"), "fetch"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return Path(proc.stdout.split()[0])
+
+
+@pytest.fixture
+def sandbox(tmp_path, pinned_wheel):
+    """A copy of the tooling with an empty series, materialized once."""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "tools", root / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "patches").mkdir()
+    shutil.copy(REPO / "patches" / "upstream.toml", root / "patches")
+    (root / "patches" / "series").write_text("")
+    proc = run(root, "materialize")
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def make_patch(sandbox, name, old, new, subject="test: change a default"):
+    """Write a format-patch file that replaces ``old`` by ``new`` in TARGET of the pristine tree."""
+    work = sandbox.parent / f"work-{name}"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / Path(TARGET).parent).mkdir(parents=True)
+    shutil.copy(sandbox / TARGET, work / TARGET)
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    text = (work / TARGET).read_text()
+    assert old in text
+    (work / TARGET).write_text(text.replace(old, new, 1))
+    subprocess.run(
+        [*git, "commit", "-qam", f"{subject}\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True
+    )
+    out = subprocess.run(
+        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    (sandbox / "patches" / name).write_text(out)
+    return out
+
+
+def add_to_series(sandbox, *names):
+    with open(sandbox / "patches" / "series", "a") as f:
+        f.write("".join(f"{n}\n" for n in names))
+
+
+def tree_digest(sandbox):
+    digest = hashlib.sha256()
+    for path in sorted((sandbox / "megatron").rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
+    original = make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    add_to_series(sandbox, "0001-a.patch")
+    assert run(sandbox, "materialize").returncode == 0
+    assert "overlap_grad_reduce: bool = True" in (sandbox / TARGET).read_text()
+    # First export normalizes the hand-made patch; a second one changes no byte.
+    assert run(sandbox, "export").returncode == 0
+    exported = sorted((sandbox / "patches").glob("*.patch"))
+    assert [p.name for p in exported] == ["0001-a.patch"]
+    first = exported[0].read_bytes()
+    assert b"overlap_grad_reduce: bool = True" in first and original.splitlines()[3] in first.decode()
+    proc = run(sandbox, "export")
+    assert proc.returncode == 0 and "no byte changed" in proc.stdout
+    assert exported[0].read_bytes() == first
+    proc = run(sandbox, "check")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
+    make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    add_to_series(sandbox, "0001-a.patch")
+    assert run(sandbox, "materialize").returncode == 0
+    target = sandbox / TARGET
+    target.write_text(target.read_text() + "# extra line\n")
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 6 and "would be lost" in proc.stderr
+    assert target.read_text().endswith("# extra line\n")
+    assert run(sandbox, "commit", "--to", "0001-a.patch").returncode == 0
+    assert run(sandbox, "export").returncode == 0
+    assert "+# extra line" in (sandbox / "patches" / "0001-a.patch").read_text()
+    assert run(sandbox, "check").returncode == 0
+
+
+def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
+    before = tree_digest(sandbox)
+    (sandbox / "patches" / "0001-bad.patch").write_text("this is not a patch\n")
+    add_to_series(sandbox, "0001-bad.patch")
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert "0001-bad.patch" in proc.stderr and "not a git format-patch" in proc.stderr
+    assert tree_digest(sandbox) == before
+
+
+def test_truncated_patch_is_refused(sandbox):
+    text = make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    (sandbox / "patches" / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
+    add_to_series(sandbox, "0001-a.patch")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5 and "0001-a.patch" in proc.stderr and "truncated" in proc.stderr
+    assert tree_digest(sandbox) == before
+
+
+def _shift_hunk(text, delta):
+    return re.sub(
+        r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@",
+        lambda m: f"@@ -{int(m[1]) + delta},{m[2]} +{int(m[3]) + delta},{m[4]} @@",
+        text,
+        flags=re.M,
+    )
+
+
+def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sandbox):
+    text = make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    # Offset: the hunk claims a position 7 lines off.
+    (sandbox / "patches" / "0001-a.patch").write_text(_shift_hunk(text, 7))
+    add_to_series(sandbox, "0001-a.patch")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5 and "0001-a.patch" in proc.stderr and "offset" in proc.stderr
+    # Fuzz: the first context line no longer matches.
+    lines = text.split("\n")
+    first_ctx = next(i for i, l in enumerate(lines) if l.startswith("@@")) + 1
+    lines[first_ctx] = " # a context line that upstream does not have"
+    (sandbox / "patches" / "0001-a.patch").write_text("\n".join(lines))
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5 and "fuzz" in proc.stderr
+    # Conflict: the changed line itself is different upstream.
+    conflict = text.replace("-    overlap_grad_reduce: bool = False", "-    overlap_grad_reduce: int = 3")
+    (sandbox / "patches" / "0001-a.patch").write_text(conflict)
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert re.search(r"0001-a\.patch: file \S+distributed_data_parallel_config\.py: hunk #1 FAILED", proc.stderr)
+    assert tree_digest(sandbox) == before
+
+
+def test_series_entry_without_file_and_file_not_in_series(sandbox):
+    add_to_series(sandbox, "0001-missing.patch")
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 2 and "0001-missing.patch" in proc.stderr and "does not exist" in proc.stderr
+    (sandbox / "patches" / "series").write_text("")
+    make_patch(sandbox, "0002-stray.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    proc = run(sandbox, "check")
+    assert proc.returncode == 1 and "patches/0002-stray.patch is not listed in patches/series" in proc.stderr
+
+
+def test_wheel_hash_mismatch_is_refused(sandbox, tmp_path):
+    bad_dir = tmp_path / "wheels"
+    bad_dir.mkdir()
+    name = "megatron_core-0.18.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(bad_dir / name, "w") as zf:
+        zf.writestr("megatron/core/__init__.py", "# not upstream\n")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize", "--force", "--wheel", str(bad_dir / name))
+    assert proc.returncode == 3 and "sha256 mismatch" in proc.stderr and name in proc.stderr
+    assert tree_digest(sandbox) == before
+
+
+def test_missing_upstream_offline(sandbox, tmp_path):
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize", "--force", "--offline", env={"MEGATRON_FORK_CACHE": str(tmp_path / "empty")})
+    assert proc.returncode == 4 and "not available offline" in proc.stderr
+    assert tree_digest(sandbox) == before
+
+
+def test_offline_from_local_git_checkout_at_named_revision(sandbox, tmp_path):
+    checkout = tmp_path / "Megatron-LM"
+    shutil.copytree(sandbox / "megatron", checkout / "megatron")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "v"], check=True)
+    subprocess.run([*git, "tag", "core_v0.18.2"], check=True)
+    env = {"MEGATRON_FORK_CACHE": str(tmp_path / "empty")}
+    proc = run(sandbox, "materialize", "--force", "--offline", "--git-repo", str(checkout), "--rev", "core_v0.18.2", env=env)
+    assert proc.returncode == 0, proc.stderr
+    (checkout / TARGET).write_text("# changed\n")
+    subprocess.run([*git, "commit", "-qam", "drift"], check=True)
+    proc = run(sandbox, "materialize", "--force", "--git-repo", str(checkout), "--rev", "HEAD", env=env)
+    assert proc.returncode == 3 and "is not megatron-core 0.18.2" in proc.stderr
+
+
+def test_interrupted_apply_leaves_previous_tree(sandbox):
+    make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    make_patch(sandbox, "0002-b.patch", "use_distributed_optimizer: bool = False", "use_distributed_optimizer: bool = True", subject="test: b")
+    add_to_series(sandbox, "0001-a.patch", "0002-b.patch")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize", "--test-interrupt-after", "1")
+    assert proc.returncode == 130 and "left as it was" in proc.stderr
+    assert tree_digest(sandbox) == before
+    assert not list((sandbox / "build").glob(".materialize-*"))
+
+
+def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
+    pristine = (sandbox / TARGET).read_text()
+    make_patch(sandbox, "0001-clean.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    off = make_patch(sandbox, "0002-off.patch", "use_distributed_optimizer: bool = False", "use_distributed_optimizer: bool = True", subject="b")
+    (sandbox / "patches" / "0002-off.patch").write_text(_shift_hunk(off, 9))
+    # "upstream": a patch whose result is what the base already has.
+    (sandbox / TARGET).write_text(pristine.replace("check_for_nan_in_grad: bool = False", "check_for_nan_in_grad: bool = None", 1))
+    work = sandbox / TARGET
+    assert "check_for_nan_in_grad: bool = None" in work.read_text()
+    up = make_patch(sandbox, "0003-up.patch", "check_for_nan_in_grad: bool = None", "check_for_nan_in_grad: bool = False", subject="c")
+    (sandbox / TARGET).write_text(pristine)
+    assert "bool = None" not in (sandbox / TARGET).read_text() and up
+    bad = make_patch(sandbox, "0004-conflict.patch", "check_for_large_grads: bool = False", "check_for_large_grads: bool = True", subject="d")
+    (sandbox / "patches" / "0004-conflict.patch").write_text(bad.replace("-    check_for_large_grads: bool = False", "-    check_for_large_grads: str = 'x'"))
+    add_to_series(sandbox, "0001-clean.patch", "0002-off.patch", "0003-up.patch", "0004-conflict.patch")
+    proc = run(sandbox, "status", "--base", "0.18.2")
+    assert proc.returncode == 0, proc.stderr
+    rows = {l.split()[0]: l.split()[1] for l in proc.stdout.splitlines() if l.startswith("000")}
+    assert rows == {
+        "0001-clean.patch": "clean",
+        "0002-off.patch": "offset",
+        "0003-up.patch": "upstream",
+        "0004-conflict.patch": "CONFLICT",
+    }
+    assert "0003-up.patch: found upstream in 0.18.2" in proc.stdout
