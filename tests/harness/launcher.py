@@ -127,7 +127,7 @@ def run_world(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_
         'tree_label': label,
         'master_port': _free_port(),
         'out_dir': work,
-        'pg_timeout_s': pg_timeout_s or float(os.environ.get('FORK_TEST_PG_TIMEOUT', 120)),
+        'pg_timeout_s': pg_timeout_s or float(os.environ.get('FORK_TEST_PG_TIMEOUT', 300)),
         'calls': calls,
     }
     spec_path = os.path.join(work, 'spec.json')
