@@ -86,7 +86,8 @@ def test_every_action_pinned_by_sha(path):
         text = fh.read()
     for line in text.splitlines():
         if re.search(r'\buses:\s*[^.\s]', line):
-            assert re.search(r'@[0-9a-f]{40}\s+#\s*v\d', line), f'no version comment: {line.strip()}'
+            pinned = re.search(r'@[0-9a-f]{40}\s+#\s*v\d', line)
+            assert pinned, f'no version comment: {line.strip()}'
 
 
 def test_validator_rejects_a_broken_workflow(validator):
@@ -108,7 +109,9 @@ def test_series_matrix_covers_the_bases():
 
 def test_gpu_jobs_use_documented_runner_labels():
     wf = load_workflow(os.path.join(WORKFLOWS, 'containers.yml'))
-    labels = {tuple(job['runs-on']) for job in wf['jobs'].values() if isinstance(job['runs-on'], list)}
+    labels = {
+        tuple(job['runs-on']) for job in wf['jobs'].values() if isinstance(job['runs-on'], list)
+    }
     assert ('self-hosted', 'linux', 'x64', 'gpu-nvidia-h200') in labels
     assert ('self-hosted', 'linux', 'x64', 'gpu-amd-mi300x') in labels
     with open(os.path.join(REPO, 'docs', 'containers.md')) as fh:
