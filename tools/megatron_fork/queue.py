@@ -209,8 +209,7 @@ def render_patches():
     rendered = {}
     for index, sha in enumerate(commits, 1):
         subject = pq("log", "-1", "--format=%s", sha).strip()
-        slug = re.sub(r"^\d{4}-", "", known[subject])[:-6] if subject in known else _slug(subject)
-        name = f"{index:04d}-{slug}.patch"
+        name = known.get(subject) or f"{index:04d}-{_slug(subject)}.patch"
         if name in rendered:
             raise ForkError(f"two queue commits export to {name}; give them distinct subjects")
         rendered[name] = pq(
@@ -232,6 +231,16 @@ def export():
             EXIT_DIRTY,
         )
     rendered = render_patches()
+    applied = PQ / APPLIED_FILE
+    ours = {line.split("  ", 1)[1] for line in applied.read_text().splitlines()} if applied.is_file() else set()
+    strangers = [p.name for p in PATCH_DIR.glob("*.patch") if p.name not in rendered and p.name not in ours]
+    if strangers:
+        raise ForkError(
+            "patches/ holds files that the queue never applied: " + ", ".join(sorted(strangers))
+            + "; list them in patches/series and run materialize (or move them away) before "
+            "exporting, so that nothing is deleted by accident",
+            EXIT_DIRTY,
+        )
     written = []
     for name, text in rendered.items():
         path = PATCH_DIR / name

@@ -86,6 +86,15 @@ def parse_patch(path):
             EXIT_APPLY,
         )
     patch.subject = " ".join(subject.group(1).split())
+    lines = text.split("\n")
+    first = next((i for i, line in enumerate(lines) if line == "---"), None)
+    if first is not None and not re.match(r"^( \S.*\| |diff --git )", lines[first + 1]):
+        raise ForkError(
+            f"patch {path.name}: line {first + 1} of its message is '---', which git am takes as "
+            "the end of the message (the rest of the description would be lost); use 'Fix:' "
+            "style headings instead of underlines",
+            EXIT_APPLY,
+        )
     header = text.split("\ndiff --git ", 1)[0]
     status = re.search(r"^Upstream-Status: (.+)$", header, re.M)
     patch.upstream_status = status.group(1).strip() if status else ""
@@ -184,7 +193,7 @@ def classify(patch, tree):
         reverse-applies cleanly, i.e. the tree already contains the change.
     """
     rc, out = gnu_patch(patch.path, tree, reverse=True)
-    if rc == 0 and "offset" not in out and "fuzz" not in out:
+    if rc == 0 and "fuzz" not in out:
         return UPSTREAM, "reverse-applies cleanly: the base already contains this change"
     rc, out = gnu_patch(patch.path, tree)
     if rc == 0:
