@@ -1,0 +1,579 @@
+"""Scenarios for the pre-training warmup (megatron/training/warmup.py, patch 0003).
+
+Real steps go through megatron.training.training.train_step (the real function, with Megatron's
+global args, timers, num-microbatches calculator and an OptimizerParamScheduler set up here), with
+the model-config callbacks and forward pre-hook handling that train() applies before its loop.
+Warmup steps run at the pretrain() boundary, i.e. before those callbacks exist.
+
+Arms:
+    naive: the warmup most projects bolt on: train_step on synthetic data with the config as the
+        boundary leaves it (optionally with finalize_model_grads installed), no restore. Works on
+        any tree and reproduces the upstream DDP assertions at the first real step.
+    fork: megatron.training.warmup.run_warmup (or the first_train_step install path).
+    none: no warmup (the reference for bitwise exactness).
+"""
+
+import contextlib
+import hashlib
+import io
+import random
+import sys
+import types
+
+import numpy as np
+import torch
+
+from tests.scenarios.common import Trainer, init_parallel
+
+MBS = 4
+
+
+def _import_training():
+    """Import megatron.training.training with the real torch.cuda module bound.
+
+    A few modules it pulls in (e.g. the nvshmem resharding service) touch torch.cuda attributes
+    at import time only; the CPU redirect would reject those. No CUDA work happens here.
+    """
+    if 'megatron.training.training' in sys.modules:
+        return
+    try:
+        from tests.harness import cpu_redirect
+    except ImportError:
+        cpu_redirect = None
+    if cpu_redirect is None or not cpu_redirect.installed():
+        import megatron.training.training  # noqa: F401
+
+        return
+    proxy = torch.cuda
+    torch.cuda = cpu_redirect._REAL_CUDA
+    try:
+        import megatron.training.training  # noqa: F401
+    finally:
+        torch.cuda = proxy
+
+
+def _set_global_args(trainer, accumulation, overlap_param_gather=False):
+    """Megatron global args/timers/microbatch calculator as pretrain() would leave them."""
+    _import_training()
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    saved_argv = sys.argv
+    sys.argv = ['warmup-scenario']
+    try:
+        args = parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = saved_argv
+    ddp = trainer.model.ddp_config
+    args.micro_batch_size = MBS
+    args.data_parallel_size = trainer.dp_size
+    args.global_batch_size = MBS * trainer.dp_size * accumulation
+    args.seq_length = 1
+    args.use_distributed_optimizer = ddp.use_distributed_optimizer
+    args.overlap_grad_reduce = ddp.overlap_grad_reduce
+    args.overlap_param_gather = overlap_param_gather
+    args.iteration = 0
+    args.consumed_train_samples = 0
+    args.skipped_train_samples = 0
+    args.consumed_valid_samples = 0
+    args.num_floating_point_operations_so_far = 0
+    args.pipeline_model_parallel_size = 1
+    args.virtual_pipeline_model_parallel_size = None
+    args.skip_train = False
+    args.perform_rl_step = False
+    args.use_megatron_fsdp = False
+    args.seed = 1234
+    global_vars.set_args(args)
+    global_vars._GLOBAL_TIMERS = None
+    global_vars._set_timers(args)
+    nmc.destroy_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(
+        trainer.ctx.rank, None, args.global_batch_size, MBS, trainer.dp_size
+    )
+    return args
+
+
+def _scheduler(trainer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        trainer.optimizer,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=4 * MBS * trainer.dp_size,
+        lr_decay_steps=40 * MBS * trainer.dp_size,
+        lr_decay_style='cosine',
+        start_wd=0.01,
+        end_wd=0.05,
+        wd_incr_steps=40 * MBS * trainer.dp_size,
+        wd_incr_style='linear',
+    )
+
+
+def _loss_func(y, output):
+    loss = torch.nn.functional.mse_loss(output.float(), y)
+    return loss, {'loss': loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    """Forward step that consumes python, numpy and torch RNG (like dropout / noise sampling)."""
+    x, y = next(data_iterator)
+    noise = torch.randn(x.shape) * 1e-2 + (random.random() - 0.5) * 1e-3
+    noise = noise + float(np.random.rand()) * 1e-3
+    x = x + noise.to(x.device)
+    return model(x), lambda output: _loss_func(y, output)
+
+
+def _real_iterator(trainer, step, accumulation):
+    g = torch.Generator().manual_seed(10_000 + 97 * step + trainer.dp_rank)
+    for _ in range(accumulation):
+        x = torch.randn(MBS, 8, generator=g)
+        y = torch.randn(MBS, 4, generator=g)
+        yield x.to(trainer.ctx.device), y.to(trainer.ctx.device)
+
+
+def _synthetic_iterator(device):
+    g = torch.Generator().manual_seed(777)
+    while True:
+        yield (torch.randn(MBS, 8, generator=g) * 3).to(device), torch.randn(
+            MBS, 4, generator=g
+        ).to(device)
+
+
+def _seed_all():
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+
+
+def _sha(h, tensor):
+    t = tensor.detach().cpu().reshape(-1).contiguous()
+    h.update(str((t.dtype, tuple(t.shape))).encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b'')
+
+
+def _optimizers(optimizer):
+    return list(getattr(optimizer, 'chained_optimizers', None) or [optimizer])
+
+
+def _digests(trainer, scheduler, args):
+    """Bitwise digests of params, main params + optimizer state, scheduler, RNG, counters."""
+    out = {}
+    h = hashlib.sha256()
+    for _, p in trainer.model.named_parameters():
+        _sha(h, p)
+    out['params'] = h.hexdigest()[:16]
+    h = hashlib.sha256()
+    for opt in _optimizers(trainer.optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            h.update(repr(sorted((k, v) for k, v in group.items() if k != 'params')).encode())
+            for p in group['params']:
+                _sha(h, p)
+                for key, value in sorted(inner.state.get(p, {}).items()):
+                    h.update(key.encode())
+                    if isinstance(value, torch.Tensor):
+                        _sha(h, value)
+                    else:
+                        h.update(repr(value).encode())
+    out['optimizer'] = h.hexdigest()[:16]
+    out['scheduler'] = repr(sorted(scheduler.state_dict().items()))
+    out['lr_wd'] = [
+        (g['lr'], g['weight_decay'])
+        for o in _optimizers(trainer.optimizer)
+        for g in o.optimizer.param_groups
+    ]
+    h = hashlib.sha256()
+    _sha(h, torch.get_rng_state())
+    h.update(repr(random.getstate()).encode())
+    h.update(np.random.get_state()[1].tobytes())
+    out['rng'] = h.hexdigest()[:16]
+    out['counters'] = [args.iteration, args.consumed_train_samples, args.skipped_train_samples]
+    h = hashlib.sha256()
+    for buffer in trainer.model.buffers + trainer.model.expert_parallel_buffers:
+        _sha(h, buffer.grad_data)
+    out['grad_buffers'] = h.hexdigest()[:16]
+    return out
+
+
+def _callbacks(config):
+    names = (
+        'no_sync_func',
+        'grad_sync_func',
+        'param_sync_func',
+        'finalize_model_grads_func',
+        'grad_scale_func',
+    )
+    return {n: getattr(config, n) is not None for n in names}
+
+
+def _hooks(trainer):
+    return len(trainer.model.remove_forward_pre_hook_handles) > 0
+
+
+class _RealRun:
+    """train()'s set-up and loop around the real train_step (callbacks, pre-hook toggling)."""
+
+    def __init__(self, trainer, scheduler, args, accumulation):
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.training import training
+
+        self.t, self.s, self.args, self.acc = trainer, scheduler, args, accumulation
+        config, model = trainer.config, trainer.model
+        config.grad_scale_func = trainer.optimizer.scale_loss
+        if args.overlap_grad_reduce:
+            assert config.no_sync_func is None, 'config.no_sync_func leaked from the warmup'
+            config.no_sync_func = model.no_sync
+            if args.align_grad_reduce:
+                config.grad_sync_func = model.start_grad_sync
+        if args.overlap_param_gather and args.align_param_gather:
+            config.param_sync_func = model.start_param_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        self.param_sync_func = None
+        self.pending = training.should_disable_forward_pre_hook(args)
+        if self.pending:
+            model.disable_forward_pre_hook(param_sync=False)
+            self.param_sync_func, config.param_sync_func = config.param_sync_func, None
+        self.fb = get_forward_backward_func()
+        self.step_index = 0
+
+    def step(self):
+        from megatron.training import training
+
+        out = training.train_step(
+            _forward_step,
+            _real_iterator(self.t, self.step_index, self.acc),
+            [self.t.model],
+            self.t.optimizer,
+            self.s,
+            self.t.config,
+            self.fb,
+            iteration=self.args.iteration,
+        )
+        if self.pending and not out[1]:
+            self.t.model.enable_forward_pre_hook()
+            self.t.config.param_sync_func = self.param_sync_func
+            self.pending = False
+        self.args.iteration += 1
+        self.args.consumed_train_samples += MBS * self.t.dp_size * self.acc
+        self.step_index += 1
+        return float(out[0]['loss']), None if out[5] is None else float(out[5])
+
+
+def _naive_warmup(trainer, scheduler, args, steps, finalize):
+    """train_step at the boundary with no callbacks (and no restore)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.training import training
+
+    if finalize:
+        trainer.config.finalize_model_grads_func = finalize_model_grads
+    data = _synthetic_iterator(trainer.ctx.device)
+    for _ in range(steps):
+        training.train_step(
+            _forward_step,
+            data,
+            [trainer.model],
+            trainer.optimizer,
+            scheduler,
+            trainer.config,
+            get_forward_backward_func(),
+            iteration=0,
+        )
+    trainer.config.finalize_model_grads_func = None
+
+
+def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False):
+    trainer = Trainer(
+        ctx,
+        dtype=dtype,
+        overlap=overlap,
+        distopt=distopt,
+        install_hooks=False,
+        ddp_kwargs={'overlap_param_gather': overlap_param_gather} if overlap_param_gather else None,
+    )
+    trainer.config.grad_scale_func = None  # as get_model() leaves it; train() installs it
+    scheduler = _scheduler(trainer)
+    args = _set_global_args(trainer, accumulation, overlap_param_gather)
+    return trainer, scheduler, args
+
+
+def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, finalize=False):
+    """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error."""
+    init_parallel()
+    trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation)
+    out = {'arm': arm, 'accumulation': accumulation, 'losses': [], 'step_error': None}
+    if arm == 'naive':
+        _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
+    else:
+        from megatron.training.warmup import run_warmup
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            report = run_warmup(
+                [trainer.model],
+                trainer.optimizer,
+                scheduler,
+                trainer.config,
+                warmup_steps,
+                _forward_step,
+                data_iterator=_synthetic_iterator(ctx.device),
+                args=args,
+            )
+        out['log'] = [line for line in buf.getvalue().splitlines() if line.startswith('[warmup]')]
+        out['groups_reset'] = report.bucket_groups_reset
+        out['host_staging_bytes'] = report.host_staging_bytes
+    run = _RealRun(trainer, scheduler, args, accumulation)
+    try:
+        for _ in range(real_steps):
+            out['losses'].append(run.step()[0])
+    except Exception as exc:  # noqa: BLE001 - the upstream assertion is the expected outcome
+        out['step_error'] = f'{type(exc).__name__}: {exc}'
+    return out
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def _exact_one(ctx, combo, warmup_steps, real_steps):
+    acc, dtype, overlap, distopt = combo['acc'], combo['dtype'], combo['overlap'], combo['distopt']
+    opg = combo.get('overlap_param_gather', False)
+    path = combo.get('path', 'run_warmup')
+    arms = {}
+    for arm in ('none', 'fork'):
+        trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg)
+        _seed_all()
+        before = _digests(trainer, scheduler, args)
+        callbacks_before = _callbacks(trainer.config)
+        hooks_before = _hooks(trainer)
+        res = {}
+        broken = contextlib.nullcontext()
+        if arm == 'fork' and combo.get('break') == 'rng':
+            # Negative control: skip the RNG restore; the comparison must then detect a change.
+            from megatron.training import warmup as warmup_module
+
+            broken = _patched(warmup_module._RngSnapshot, 'restore', lambda self: None)
+        if arm == 'fork' and path == 'run_warmup':
+            from megatron.training.warmup import run_warmup
+
+            with contextlib.redirect_stdout(io.StringIO()), broken:
+                report = run_warmup(
+                    [trainer.model],
+                    trainer.optimizer,
+                    scheduler,
+                    trainer.config,
+                    warmup_steps,
+                    _forward_step,
+                    data_iterator=_synthetic_iterator(ctx.device),
+                    args=args,
+                )
+            res['host_staging_bytes'] = report.host_staging_bytes
+            res['warmup_losses'] = [float(x['loss']) for x in report.losses]
+            res['after_warmup_equals_before'] = _digests(trainer, scheduler, args) == before
+            res['callbacks_restored'] = _callbacks(trainer.config) == callbacks_before
+            res['hooks_restored'] = _hooks(trainer) == hooks_before
+        elif arm == 'fork':
+            from megatron.training.warmup import install_first_train_step_warmup
+
+            install_first_train_step_warmup(warmup_steps, _synthetic_iterator(ctx.device), args)
+        run = _RealRun(trainer, scheduler, args, acc)
+        with contextlib.redirect_stdout(io.StringIO()):
+            steps = [run.step() for _ in range(real_steps)]
+        from megatron.training import training
+
+        res['train_step_restored'] = training.train_step.__name__ == 'train_step'
+        res['losses'] = [s[0] for s in steps]
+        res['grad_norms'] = [s[1] for s in steps]
+        res['final'] = _digests(trainer, scheduler, args)
+        arms[arm] = res
+    none, fork = arms['none'], arms['fork']
+    return {
+        'combo': combo,
+        'losses_none': none['losses'],
+        'losses_fork': fork['losses'],
+        'identical': none['final'] == fork['final']
+        and none['losses'] == fork['losses']
+        and none['grad_norms'] == fork['grad_norms'],
+        'diff_keys': [k for k in none['final'] if none['final'][k] != fork['final'][k]],
+        'fork': {k: v for k, v in fork.items() if k != 'final'},
+    }
+
+
+def scenario_exactness(ctx, combos, warmup_steps=2, real_steps=3):
+    """For each combo: N real steps after warmup+restore vs N steps without warmup, bitwise."""
+    results = []
+    for combo in combos:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        init_parallel()
+        results.append(_exact_one(ctx, combo, warmup_steps, real_steps))
+    return {'results': results}
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1):
+    """A warmup step raises mid-step: callbacks, hooks and all state are restored, then re-raised.
+
+    Also checks that training after the failure matches training with no warmup, bitwise.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.training.warmup import run_warmup
+
+    init_parallel()
+    results = {}
+    for arm in ('none', 'fault'):
+        trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation, True)
+        _seed_all()
+        sentinel = object()
+        trainer.config.finalize_model_grads_func = finalize_model_grads  # a pre-existing value
+        before = _digests(trainer, scheduler, args)
+        callbacks_before = {
+            n: getattr(trainer.config, n)
+            for n in (
+                'no_sync_func',
+                'grad_sync_func',
+                'param_sync_func',
+                'finalize_model_grads_func',
+                'grad_scale_func',
+            )
+        }
+        hooks_before = _hooks(trainer)
+        res = {}
+        if arm == 'fault':
+            calls = {'n': 0}
+            synthetic = _synthetic_iterator(ctx.device)
+
+            def failing(data_iterator, model):
+                calls['n'] += 1
+                if calls['n'] == fail_step * accumulation + fail_microbatch + 1:
+                    raise _Injected('injected failure inside a warmup step')
+                return _forward_step(data_iterator, model)
+
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    run_warmup(
+                        [trainer.model],
+                        trainer.optimizer,
+                        scheduler,
+                        trainer.config,
+                        3,
+                        failing,
+                        data_iterator=synthetic,
+                        args=args,
+                    )
+                res['raised'] = None
+            except _Injected as exc:
+                res['raised'] = f'{type(exc).__name__}: {exc}'
+            res['calls'] = calls['n']
+            res['callbacks_restored'] = all(
+                getattr(trainer.config, n) is v for n, v in callbacks_before.items()
+            )
+            res['hooks_restored'] = _hooks(trainer) == hooks_before
+            after = _digests(trainer, scheduler, args)
+            res['state_restored'] = after == before
+            res['state_diff'] = [k for k in before if before[k] != after[k]]
+        del sentinel
+        trainer.config.finalize_model_grads_func = None
+        run = _RealRun(trainer, scheduler, args, accumulation)
+        with contextlib.redirect_stdout(io.StringIO()):
+            res['losses'] = [run.step()[0] for _ in range(3)]
+        res['final'] = _digests(trainer, scheduler, args)
+        results[arm] = res
+    fault = results['fault']
+    fault['identical_to_no_warmup'] = (
+        fault.pop('final') == results['none']['final']
+        and fault['losses'] == results['none']['losses']
+    )
+    return fault
+
+
+def scenario_bad_input(ctx):
+    """Argparse errors for --warmup-train-steps, and clear errors for unsupported combinations."""
+    _import_training()
+    from megatron.training.arguments import parse_args
+    from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported, run_warmup
+
+    out = {'argparse': {}}
+    for value in ('2', '0', '-1', '1.5', 'two'):
+        saved, err = sys.argv, io.StringIO()
+        sys.argv = ['pretrain', '--warmup-train-steps', value]
+        try:
+            with contextlib.redirect_stderr(err):
+                args = parse_args(ignore_unknown_args=True)
+            out['argparse'][value] = {'value': args.warmup_train_steps}
+        except SystemExit as exc:
+            lines = [l for l in err.getvalue().splitlines() if 'error:' in l]
+            out['argparse'][value] = {'exit': exc.code, 'error': lines[-1] if lines else None}
+        finally:
+            sys.argv = saved
+    saved = sys.argv
+    sys.argv = ['pretrain']
+    try:
+        defaults = parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = saved
+    out['defaults'] = [defaults.warmup_train_steps, defaults.warmup_install_path]
+    from megatron.training.config import TrainingConfig
+
+    cfg = TrainingConfig()
+    out['config_defaults'] = [cfg.warmup_train_steps, cfg.warmup_install_path]
+
+    init_parallel()
+    trainer, scheduler, args = _build(ctx, 'fp32', True, True, 1)
+    errors = {}
+    cases = {
+        'pipeline': {'pipeline_model_parallel_size': 2},
+        'virtual_pipeline': {'virtual_pipeline_model_parallel_size': 2},
+        'megatron_fsdp': {'use_megatron_fsdp': True},
+    }
+    for name, overrides in cases.items():
+        fake = types.SimpleNamespace(**{**vars(args), **overrides})
+        try:
+            check_warmup_supported([trainer.model], trainer.optimizer, trainer.config, fake)
+            errors[name] = None
+        except WarmupUnsupportedError as exc:
+            errors[name] = f'{type(exc).__name__}: {exc}'
+    for name, kwargs in {'negative': {'num_steps': -1}, 'float': {'num_steps': 1.5}}.items():
+        try:
+            run_warmup(
+                [trainer.model],
+                trainer.optimizer,
+                scheduler,
+                trainer.config,
+                forward_step_func=_forward_step,
+                args=args,
+                **kwargs,
+            )
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = f'{type(exc).__name__}: {exc}'
+    try:
+        run_warmup(
+            [trainer.model, trainer.model],
+            trainer.optimizer,
+            scheduler,
+            trainer.config,
+            1,
+            _forward_step,
+            args=args,
+        )
+        errors['two_chunks'] = None
+    except WarmupUnsupportedError as exc:
+        errors['two_chunks'] = f'{type(exc).__name__}: {exc}'
+    out['errors'] = errors
+    out['callbacks_untouched'] = _callbacks(trainer.config)
+    return out

@@ -1,0 +1,155 @@
+"""Pre-training warmup with exact state restore (patch 0003, megatron/training/warmup.py).
+
+Real train_step, real DDP (overlap_grad_reduce), real Megatron optimizer and scheduler on CPU ranks.
+Counterfactual: on pristine 0.18.2 a naive boundary warmup (train_step before train() installs
+its callbacks, no restore) kills the first real step with the upstream DDP assertions, and the
+warmup module does not exist; on the fork the warmup trains and the following real steps are
+bitwise identical to a run without warmup.
+"""
+
+import pytest
+
+from tests.harness import call
+
+S = 'tests.scenarios.warmup:'
+FORK = 'fork'
+PRISTINE = 'pristine-0.18.2'
+
+OUTSTANDING = 'AssertionError: Should not have multiple communication calls outstanding at once'
+NOT_ISSUED = (
+    'AssertionError: Communication call has not been issued for this bucket '
+    '(2/2 params have grad available)'
+)
+
+# (accumulation, naive warmup installs finalize_model_grads?, expected pristine error)
+E2E = [(1, False, OUTSTANDING), (2, True, NOT_ISSUED), (4, True, NOT_ISSUED)]
+
+
+def _combo(acc, dtype, overlap, distopt, **extra):
+    return dict(acc=acc, dtype=dtype, overlap=overlap, distopt=distopt, **extra)
+
+
+COMBOS_DP2 = [
+    _combo(1, 'bf16', True, True),
+    _combo(2, 'bf16', True, True),
+    _combo(2, 'fp32', True, False),
+    _combo(1, 'fp32', False, True),
+    _combo(2, 'bf16', False, False),
+    _combo(2, 'bf16', True, True, overlap_param_gather=True),
+    _combo(2, 'fp32', True, True, path='first_train_step'),
+]
+COMBOS_DP1 = [
+    _combo(2, 'bf16', True, True),
+    _combo(1, 'fp32', True, False),
+    _combo(2, 'bf16', True, True, overlap_param_gather=True, path='first_train_step'),
+]
+CONTROL = [_combo(2, 'bf16', True, True, **{'break': 'rng'})]
+
+FORK_E2E = {
+    (ws, acc): call(ws, FORK, S + 'scenario_end_to_end', arm='fork', accumulation=acc)
+    for ws in (1, 2)
+    for acc, _, _ in E2E
+}
+PRISTINE_E2E = {
+    acc: call(
+        2, PRISTINE, S + 'scenario_end_to_end', arm='naive', accumulation=acc, finalize=finalize
+    )
+    for acc, finalize, _ in E2E
+}
+PRISTINE_NO_MODULE = call(2, PRISTINE, S + 'scenario_end_to_end', arm='fork', accumulation=2)
+EXACT = {
+    2: call(2, FORK, S + 'scenario_exactness', combos=COMBOS_DP2 + CONTROL),
+    1: call(1, FORK, S + 'scenario_exactness', combos=COMBOS_DP1),
+}
+FAULT = call(2, FORK, S + 'scenario_fault')
+BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
+
+
+def _ok(per_rank):
+    for rank, res in enumerate(per_rank):
+        assert 'error' not in res, f'rank {rank}: {res["error"]}'
+    return per_rank
+
+
+@pytest.mark.parametrize('acc,finalize,expected', E2E)
+def test_naive_boundary_warmup_breaks_pristine(acc, finalize, expected):
+    for res in _ok(PRISTINE_E2E[acc].result()):
+        assert res['step_error'] == expected
+
+
+def test_pristine_has_no_warmup_module():
+    for res in PRISTINE_NO_MODULE.result():
+        assert res['error'] == "ModuleNotFoundError: No module named 'megatron.training.warmup'"
+
+
+@pytest.mark.parametrize('ws', [1, 2])
+@pytest.mark.parametrize('acc', [acc for acc, _, _ in E2E])
+def test_fork_warmup_trains(ws, acc):
+    for rank, res in enumerate(_ok(FORK_E2E[(ws, acc)].result())):
+        assert res['step_error'] is None
+        assert len(res['losses']) == 3 and all(loss == loss for loss in res['losses'])
+        assert res['groups_reset'] > 0 and res['host_staging_bytes'] > 0
+        if rank == 0:
+            n = res['groups_reset']
+            assert res['log'][0] == (
+                f'[warmup] Reset DDP grad-ready calibration on {n} bucket groups '
+                '(0 outstanding collectives drained)'
+            )
+
+
+@pytest.mark.parametrize('ws', [1, 2])
+def test_exact_restore(ws):
+    for res in _ok(EXACT[ws].result()):
+        for r in res['results']:
+            combo = r['combo']
+            if combo.get('break'):
+                # Negative control: without the RNG restore the comparison sees a difference.
+                assert not r['identical'] and 'rng' in r['diff_keys'], combo
+                continue
+            assert r['identical'], (combo, r['diff_keys'], r['losses_none'], r['losses_fork'])
+            fork = r['fork']
+            assert fork['train_step_restored'], combo
+            if combo.get('path', 'run_warmup') == 'run_warmup':
+                assert fork['after_warmup_equals_before'], combo
+                assert fork['callbacks_restored'] and fork['hooks_restored'], combo
+
+
+def test_exception_in_warmup_restores_and_reraises():
+    for res in _ok(FAULT.result()):
+        assert res['raised'] == '_Injected: injected failure inside a warmup step'
+        assert res['calls'] == 4  # failed in microbatch 2 of warmup step 2
+        assert res['callbacks_restored'] and res['hooks_restored']
+        assert res['state_restored'], res['state_diff']
+        assert res['identical_to_no_warmup']
+
+
+def test_bad_input():
+    (res,) = _ok(BAD_INPUT.result())
+    flag = 'pretrain: error: argument --warmup-train-steps: --warmup-train-steps must be a'
+    assert res['argparse']['2'] == {'value': 2} and res['argparse']['0'] == {'value': 0}
+    for value in ('-1', '1.5', 'two'):
+        assert res['argparse'][value] == {
+            'exit': 2,
+            'error': f"{flag} non-negative integer, got '{value}'",
+        }
+    assert res['defaults'] == [0, 'pretrain'] and res['config_defaults'] == [0, 'pretrain']
+    errors = res['errors']
+    assert errors['pipeline'] == (
+        'WarmupUnsupportedError: --warmup-train-steps does not support pipeline parallelism '
+        '(pipeline_model_parallel_size=2)'
+    )
+    assert errors['virtual_pipeline'].startswith(
+        'WarmupUnsupportedError: --warmup-train-steps does not support virtual pipeline'
+    )
+    assert errors['two_chunks'].endswith('2 model chunks)')
+    assert errors['megatron_fsdp'] == (
+        'WarmupUnsupportedError: --warmup-train-steps does not support --use-megatron-fsdp'
+    )
+    assert (
+        errors['negative']
+        == 'ValueError: warmup_train_steps must be a non-negative integer, got -1'
+    )
+    assert (
+        errors['float'] == 'ValueError: warmup_train_steps must be a non-negative integer, got 1.5'
+    )
+    assert not any(res['callbacks_untouched'].values())
