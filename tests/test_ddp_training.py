@@ -25,7 +25,7 @@ VARIANTS = [
     ('accum-3', dict(num_microbatches=3)),
     ('no-expert', dict(expert=False)),
     ('one-bucket', dict(bucket_size=None)),
-    ('sgd', dict(optimizer='sgd', lr=0.05)),
+    ('sgd', dict(optimizer='sgd', lr=0.05, distopt=False)),  # distopt is Adam-only upstream
     ('avg-in-collective', dict(ddp_kwargs={'average_in_collective': True})),
 ]
 VARIANT_CALLS = {

@@ -287,7 +287,8 @@ class Trainer:
         self.config = make_config(dtype, **(config_kwargs or {}))
         model = build_model(self.config, expert=expert, seed=seed)
         self.initial = flat_params(model.core)
-        self.initial_state = copy.deepcopy(model.core.state_dict())
+        self.initial_state = {k: v.cpu() for k, v in copy.deepcopy(model.core.state_dict()).items()}
+        model = model.to(ctx.device)
         self.model = wrap_ddp(
             model, self.config, overlap=overlap, distopt=distopt, bucket_size=bucket_size,
             **(ddp_kwargs or {}),
