@@ -1,0 +1,255 @@
+"""Scenarios for DDP grad-ready calibration (patches 0001 and 0002).
+
+They drive the real megatron-core DistributedDataParallel wrapper and its real bucket groups with
+overlap_grad_reduce=True. A "step" is what forward_backward_no_pipelining + finalize_model_grads do
+for one batch: zero_grad_buffer(), N microbatches (all but the last under no_sync() when a no_sync
+function is installed), then finish_grad_sync(). No optimizer runs, so the weights stay fixed and
+grad norms of the same step index are comparable between runs.
+"""
+
+import contextlib
+import math
+
+import torch
+
+
+class _TinyNet(torch.nn.Module):
+    """Dense layers plus one expert-parallel layer (params with allreduce=False)."""
+
+    def __init__(self, expert: bool):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 4)
+        self.expert = torch.nn.Linear(16, 16) if expert else None
+        if expert:
+            for param in self.expert.parameters():
+                param.allreduce = False
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.expert is not None:
+            h = h + torch.tanh(self.expert(h))
+        return self.out(h)
+
+
+def _build(ctx, expert=True, distopt=False, overlap_param_gather=False, bucket_size=None):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(1234)
+    module = _TinyNet(expert).to(ctx.device)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=distopt,
+        overlap_param_gather=overlap_param_gather,
+        bucket_size=bucket_size,
+    )
+    return DistributedDataParallel(config, ddp_config, module)
+
+
+def _groups(ddp):
+    return ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+
+
+def _batch(ctx, step, microbatch):
+    gen = torch.Generator().manual_seed(100000 * (step + 7) + 100 * microbatch + ctx.rank)
+    x = torch.randn(4, 8, generator=gen).to(ctx.device)
+    y = torch.randn(4, 4, generator=gen).to(ctx.device)
+    return x, y
+
+
+def _grad_norm(ddp, ctx):
+    """Global norm of the reduced grads (only the local shard is reduced under distopt)."""
+    total = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+    for group in _groups(ddp):
+        for bucket in group.buckets:
+            grad = bucket.grad_data.view(-1)
+            if ddp.ddp_config.use_distributed_optimizer:
+                grad = grad.chunk(ctx.world_size)[ctx.rank]
+            total += grad.double().pow(2).sum()
+    if ddp.ddp_config.use_distributed_optimizer:
+        torch.distributed.all_reduce(total)
+    return math.sqrt(total.item())
+
+
+def _step(
+    ddp,
+    ctx,
+    step,
+    microbatches=2,
+    no_sync=True,
+    finish=True,
+    extra_backward=False,
+    force=False,
+    settle=False,
+):
+    """Run one batch; returns the global grad norm after finish_grad_sync (None if not finished).
+
+    Args:
+        extra_backward: after the last microbatch, run a second backward through out.weight only,
+            so that param registers twice per batch (a legitimate golden count of 2).
+        force: set ddp.force_all_reduce for this batch.
+        settle: after each microbatch, wait on grad reduces already in flight (handles are kept),
+            so a reduce dispatched early always completes before the next microbatch's grads
+            land; this makes the early-dispatch result deterministic instead of a race.
+    """
+    ddp.force_all_reduce = force
+    ddp.zero_grad_buffer()
+    for mb in range(microbatches):
+        last = mb == microbatches - 1
+        sync_ctx = ddp.no_sync() if (no_sync and not last) else contextlib.nullcontext()
+        with sync_ctx:
+            x, y = _batch(ctx, step, mb)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            if extra_backward and last:
+                (ddp.module.out.weight.pow(2).sum() * 1e-2).backward()
+        if settle:
+            for group in _groups(ddp):
+                if group.grad_reduce_handle is not None:
+                    group.grad_reduce_handle.wait()
+    if not finish:
+        return None
+    ddp.finish_grad_sync(force_all_reduce=force)
+    ddp.force_all_reduce = False
+    return _grad_norm(ddp, ctx)
+
+
+def _state(group):
+    return {
+        'is_first_batch': group.is_first_batch,
+        'golden': sorted(group.golden_per_param_grad_ready_counts.values()),
+        'counts': sorted(group.per_param_grad_ready_counts.values()),
+        'is_last_microbatch': group.is_last_microbatch,
+        'handle_outstanding': group.grad_reduce_handle is not None,
+        'param_gather_dispatched': group.param_gather_dispatched,
+        'grad_reduce_finished': group.grad_reduce_finished,
+    }
+
+
+def _drain(ddp):
+    """Wait on whatever grad reduce a failed step left in flight (works on any tree)."""
+    for group in _groups(ddp):
+        if group.grad_reduce_handle is not None:
+            group.grad_reduce_handle.wait()
+            group.grad_reduce_handle = None
+
+
+def scenario_reset_restores_calibration(ctx, bucket_size=None):
+    """Calibrate, train a step, reset: every group (dense and expert) is back to constructor state.
+
+    A second reset inside a no_sync() window checks is_last_microbatch is re-armed, and the next
+    step recalibrates to the same golden counts.
+    """
+    ddp = _build(ctx, bucket_size=bucket_size)
+    norms = [_step(ddp, ctx, 0), _step(ddp, ctx, 1)]
+    before = [_state(g) for g in _groups(ddp)]
+    result = ddp.reset_grad_ready_calibration()
+    after = [_state(g) for g in _groups(ddp)]
+    norms.append(_step(ddp, ctx, 2))
+    norms.append(_step(ddp, ctx, 3))
+    recalibrated = [_state(g) for g in _groups(ddp)]
+    with ddp.no_sync():
+        in_no_sync = ddp.reset_grad_ready_calibration()
+        last_mb_after_reset = [g.is_last_microbatch for g in _groups(ddp)]
+    return {
+        'num_dense_groups': len(ddp.bucket_groups),
+        'num_expert_groups': len(ddp.expert_parallel_bucket_groups),
+        'num_params': [len(g.params) for g in _groups(ddp)],
+        'result': list(result),
+        'result_types': [type(v).__name__ for v in result],
+        'before': before,
+        'after': after,
+        'recalibrated': recalibrated,
+        'in_no_sync_result': list(in_no_sync),
+        'last_mb_after_reset': last_mb_after_reset,
+        'norms': norms,
+    }
+
+
+def scenario_reset_drains_outstanding(ctx, reference=False, bucket_size=None):
+    """A step that never calls finish_grad_sync leaves every group's grad reduce in flight.
+
+    Uses the distributed optimizer layout with overlap_param_gather, so the real forward pre-hook
+    has set param_gather_dispatched. reset_grad_ready_calibration must wait on and clear each
+    handle and restore param_gather_dispatched / grad_reduce_finished; the following step then
+    recalibrates and trains. reference=True runs the same step indices without the unfinished step.
+    """
+    ddp = _build(ctx, distopt=True, overlap_param_gather=True, bucket_size=bucket_size)
+    norms = [_step(ddp, ctx, 0)]
+    out = {'num_groups': len(_groups(ddp))}
+    if not reference:
+        _step(ddp, ctx, 1, finish=False)
+        out['before'] = [_state(g) for g in _groups(ddp)]
+        out['result'] = list(ddp.reset_grad_ready_calibration())
+        out['after'] = [_state(g) for g in _groups(ddp)]
+    norms.append(_step(ddp, ctx, 2))
+    norms.append(_step(ddp, ctx, 3))
+    out['norms'] = norms
+    out['golden_after'] = [
+        sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)
+    ]
+    return out
+
+
+def scenario_overcount(ctx, later_no_sync=False, microbatches=2, settle=True):
+    """Calibrate with no_sync (golden 1 per param), then run step 1 with or without no_sync.
+
+    Without no_sync every microbatch registers, the counts match golden after microbatch 1 and the
+    reduce is dispatched before accumulation is done. Returns the step-1 grad norm, or what it
+    raised (under 'raised').
+    settle=False leaves the early reduce racing with the next microbatch (norm varies run to run).
+    """
+    ddp = _build(ctx)
+    calib = _step(ddp, ctx, 0, microbatches=microbatches)
+    golden = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    out = {'calibration_norm': calib, 'raised': None, 'norm': None}
+    try:
+        out['norm'] = _step(
+            ddp, ctx, 1, microbatches=microbatches, no_sync=later_no_sync, settle=settle
+        )
+    except Exception as exc:  # noqa: BLE001 - the fork's guard is the expected outcome
+        out['raised'] = f'{type(exc).__name__}: {exc}'
+        _drain(ddp)
+    out['golden'] = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    out['golden_at_step1'] = golden
+    return out
+
+
+def scenario_naive_warmup(
+    ctx, warmup_steps=1, warmup_finish=True, reset=True, steps=2, microbatches=2
+):
+    """Warm-up steps without no_sync (golden = microbatches), then real steps with no_sync.
+
+    reset=True calls model.reset_grad_ready_calibration() between them (AttributeError on a tree
+    without it). warmup_steps=0 is the reference run. Returns the real steps' grad norms.
+    """
+    ddp = _build(ctx)
+    for i in range(warmup_steps):
+        _step(ddp, ctx, 50 + i, microbatches=microbatches, no_sync=False, finish=warmup_finish)
+    out = {'golden_after_warmup': None, 'reset': None}
+    if warmup_steps:
+        # Golden is frozen by the zero_grad_buffer() of the step after the first batch.
+        out['state_after_warmup'] = [_state(g) for g in _groups(ddp)]
+    if reset:
+        out['reset'] = list(ddp.reset_grad_ready_calibration())
+    out['norms'] = [_step(ddp, ctx, s, microbatches=microbatches) for s in range(steps)]
+    out['golden'] = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    return out
+
+
+def scenario_legit_registrations(ctx, steps=3):
+    """Legitimate patterns the overcount guard must accept.
+
+    out.weight registers twice in the last microbatch (second backward), so its golden count is 2;
+    step 2 runs with force_all_reduce. Returns norms and golden counts.
+    """
+    ddp = _build(ctx)
+    norms = []
+    for s in range(steps):
+        norms.append(_step(ddp, ctx, s, extra_backward=True, force=(s == 2)))
+    golden = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    return {'norms': norms, 'golden': golden}

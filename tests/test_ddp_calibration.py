@@ -1,0 +1,214 @@
+"""DDP grad-ready calibration: reset API (patch 0001) and over-count guard (patch 0002).
+
+Every scenario runs the real megatron-core DDP wrapper on CPU ranks (gloo) or GPUs (nccl). Each arm
+has a pristine counterfactual: pristine 0.18.2 lacks the API (AttributeError), dies after a naive
+warm-up ("Communication call has not been issued ..."), and trains silently with wrong grads on an
+over-count; the fork recalibrates, trains bit-identically to the reference, and raises on the
+over-count.
+"""
+
+import pytest
+
+from tests.harness.launcher import backend, run_world
+
+S = 'tests.scenarios.ddp_calibration:'
+FORK = 'fork'
+PRISTINE = 'pristine-0.18.2'
+
+# name -> (scenario, kwargs)
+FORK_CALLS = {
+    'restore': ('scenario_reset_restores_calibration', {}),
+    'restore_many': ('scenario_reset_restores_calibration', {'bucket_size': 1}),
+    'drain': ('scenario_reset_drains_outstanding', {}),
+    'drain_many': ('scenario_reset_drains_outstanding', {'bucket_size': 1}),
+    'drain_ref': ('scenario_reset_drains_outstanding', {'reference': True}),
+    'drain_many_ref': ('scenario_reset_drains_outstanding', {'reference': True, 'bucket_size': 1}),
+    'over_ref': ('scenario_overcount', {'later_no_sync': True}),
+    'over_bad': ('scenario_overcount', {}),
+    'over_bad_mb4': ('scenario_overcount', {'microbatches': 4}),
+    'warm_ref': ('scenario_naive_warmup', {'warmup_steps': 0, 'reset': False}),
+    'warm_reset': ('scenario_naive_warmup', {'reset': True}),
+    'warm_noreset': ('scenario_naive_warmup', {'reset': False}),
+    'warm2_inflight_reset': (
+        'scenario_naive_warmup',
+        {'warmup_steps': 2, 'warmup_finish': False, 'reset': True},
+    ),
+    'warm2_inflight_noreset': (
+        'scenario_naive_warmup',
+        {'warmup_steps': 2, 'warmup_finish': False, 'reset': False},
+    ),
+    'legit': ('scenario_legit_registrations', {}),
+}
+PRISTINE_CALLS = {
+    name: FORK_CALLS[name]
+    for name in (
+        'restore',
+        'over_ref',
+        'over_bad',
+        'over_bad_mb4',
+        'warm_reset',
+        'warm_noreset',
+        'warm2_inflight_noreset',
+        'legit',
+    )
+}
+PRISTINE_CALLS['warm2_inflight_step0'] = (
+    'scenario_naive_warmup',
+    {'warmup_steps': 2, 'warmup_finish': False, 'reset': False, 'steps': 1},
+)
+
+NO_COMM_CALL = 'AssertionError: Communication call has not been issued for this bucket'
+NO_API = (
+    "AttributeError: 'DistributedDataParallel' object has no attribute "
+    "'reset_grad_ready_calibration'"
+)
+GUARD = 'RuntimeError: Grad-ready calibration mismatch'
+
+_CACHE = {}
+
+
+def _world(tree, world_size):
+    key = (tree, world_size)
+    if key not in _CACHE:
+        calls = FORK_CALLS if tree == FORK else PRISTINE_CALLS
+        names = list(calls)
+        results = run_world(world_size, tree, [(S + calls[n][0], calls[n][1]) for n in names])
+        _CACHE[key] = dict(zip(names, results))
+    return _CACHE[key]
+
+
+def _ok(per_rank):
+    for rank, res in enumerate(per_rank):
+        assert 'error' not in res, f'rank {rank}: {res["error"]}'
+    return per_rank
+
+
+WS = [1, 2]
+
+
+def _constructor_state(state):
+    assert state == {
+        'is_first_batch': True,
+        'golden': [],
+        'counts': [],
+        'is_last_microbatch': True,
+        'handle_outstanding': False,
+        'param_gather_dispatched': False,
+        'grad_reduce_finished': False,
+    }
+
+
+@pytest.mark.parametrize('ws', WS)
+@pytest.mark.parametrize('name,groups', [('restore', (1, 1)), ('restore_many', (4, 2))])
+def test_reset_restores_calibration_on_fork(ws, name, groups):
+    for res in _ok(_world(FORK, ws)[name]):
+        assert (res['num_dense_groups'], res['num_expert_groups']) == groups
+        n = sum(groups)
+        assert res['result'] == [n, 0] and res['result_types'] == ['int', 'int']
+        assert res['in_no_sync_result'] == [n, 0]
+        assert res['last_mb_after_reset'] == [True] * n
+        for before, after, again in zip(res['before'], res['after'], res['recalibrated']):
+            assert not before['is_first_batch'] and before['golden'] and before['counts']
+            _constructor_state(after)
+            assert again['golden'] == before['golden'] and not again['is_first_batch']
+
+
+@pytest.mark.parametrize('ws', WS)
+def test_pristine_has_no_reset_api(ws):
+    world = _world(PRISTINE, ws)
+    for name in ('restore', 'warm_reset'):
+        for res in world[name]:
+            assert res.get('error') == NO_API
+
+
+@pytest.mark.parametrize('ws', WS)
+@pytest.mark.parametrize('name', ['drain', 'drain_many'])
+def test_reset_drains_outstanding_reduce(ws, name):
+    world = _world(FORK, ws)
+    ref = _ok(world[f'{name}_ref'])
+    for rank, res in enumerate(_ok(world[name])):
+        n = res['num_groups']
+        assert res['result'] == [n, n]
+        for before, after in zip(res['before'], res['after']):
+            assert before['handle_outstanding'] and before['param_gather_dispatched']
+            _constructor_state(after)
+        # The step after the reset recalibrates and matches a run without the unfinished step.
+        assert res['norms'] == ref[rank]['norms']
+        assert all(g and set(g) == {1} for g in res['golden_after'])
+    # Bucket layout does not change the reduced grads.
+    assert ref[0]['norms'] == pytest.approx(_ok(world['drain_ref'])[0]['norms'], rel=1e-12)
+
+
+@pytest.mark.parametrize('ws', WS)
+def test_naive_warmup_then_reset_trains(ws):
+    fork, pristine = _world(FORK, ws), _world(PRISTINE, ws)
+    ref = _ok(fork['warm_ref'])
+    for res in pristine['warm_noreset'] + fork['warm_noreset']:
+        assert res['error'] == f'{NO_COMM_CALL} (4/4 params have grad available)'
+    for rank, res in enumerate(_ok(fork['warm_reset'])):
+        assert [s['counts'] for s in res['state_after_warmup']] == [[2, 2, 2, 2], [2, 2]]
+        assert res['reset'] == [2, 0]
+        assert res['norms'] == ref[rank]['norms']
+        assert res['golden'] == [[1, 1, 1, 1], [1, 1]]
+    # Warm-up steps that never ran finish_grad_sync leave the reduce in flight: drained.
+    for rank, res in enumerate(_ok(fork['warm2_inflight_reset'])):
+        assert [s['golden'] for s in res['state_after_warmup']] == [[2, 2, 2, 2], [2, 2]]
+        assert all(s['handle_outstanding'] for s in res['state_after_warmup'])
+        assert res['reset'] == [2, 2]
+        assert res['norms'] == ref[rank]['norms']
+    # Without the reset: pristine waits on the stale handle at step 0 and asserts at step 1;
+    # the guard stops the fork at step 0's first registration.
+    for res in pristine['warm2_inflight_noreset']:
+        assert res['error'] == f'{NO_COMM_CALL} (4/4 params have grad available)'
+    step0 = [r['norms'][0] for r in _ok(pristine['warm2_inflight_step0'])]
+    if ws == 2:  # unreduced local grads: replicas disagree, both far from the reference
+        assert step0[0] != step0[1]
+        assert all(abs(n - r['norms'][0]) / r['norms'][0] > 0.10 for n, r in zip(step0, ref))
+    for res in fork['warm2_inflight_noreset']:
+        assert res['error'].startswith(GUARD)
+        assert 'recorded 2 (grad reduce in flight: True)' in res['error']
+
+
+# Step-1 grad norms measured on CPU ranks (gloo) at world size 2; see patch 0002's Validation.
+GLOO_OVERCOUNT = {
+    'over_ref': [1.6872417183272976, 1.6872417183272976],
+    'over_bad': [2.041695186291802, 1.8933342418422796],
+}
+
+
+@pytest.mark.parametrize('ws', WS)
+def test_overcount_counterfactual(ws):
+    fork, pristine = _world(FORK, ws), _world(PRISTINE, ws)
+    ref = [r['norm'] for r in _ok(pristine['over_ref'])]
+    assert ref == [r['norm'] for r in _ok(fork['over_ref'])]
+    for name in ('over_bad', 'over_bad_mb4'):
+        bad = [r['norm'] for r in _ok(pristine[name])]
+        assert all(r['raised'] is None for r in pristine[name])
+        if ws == 1 and name == 'over_bad':
+            # Nothing to reduce across ranks: the early dispatch happens to be harmless at dp=1.
+            assert bad == ref
+        elif ws == 2:
+            # Silent corruption: the replicas disagree, and at accumulation 2 both are >10% off.
+            assert bad[0] != bad[1]
+            if name == 'over_bad':
+                assert all(abs(b - r) / r > 0.10 for b, r in zip(bad, ref))
+        for res in fork[name]:
+            assert res['norm'] is None
+            assert res['raised'].startswith(GUARD)
+            assert 'registered its grad as ready 2 time(s)' in res['raised']
+            assert 'recorded 1 (grad reduce in flight: True)' in res['raised']
+            assert 'without no_sync_func' in res['raised']
+            assert 'reset_grad_ready_calibration()' in res['raised']
+    if ws == 2 and backend() == 'gloo':
+        assert ref == pytest.approx(GLOO_OVERCOUNT['over_ref'], rel=1e-9)
+        assert [r['norm'] for r in pristine['over_bad']] == pytest.approx(
+            GLOO_OVERCOUNT['over_bad'], rel=1e-9
+        )
+
+
+@pytest.mark.parametrize('ws', WS)
+def test_guard_accepts_legitimate_registrations(ws):
+    fork, pristine = _world(FORK, ws), _world(PRISTINE, ws)
+    for f, p in zip(_ok(fork['legit']), _ok(pristine['legit'])):
+        assert f['golden'] == [[1, 1, 1, 2], [1, 1]]
+        assert f['norms'] == p['norms']
