@@ -56,7 +56,11 @@ def package_data():
     """Ship every non-Python upstream file (README, requirements, helpers.cpp, configs)."""
     data = {}
     for path in (HERE / "megatron").rglob("*"):
-        if path.is_file() and path.suffix not in (".py", ".pyc", ".so") and "__pycache__" not in path.parts:
+        if (
+            path.is_file()
+            and path.suffix not in (".py", ".pyc", ".so")
+            and "__pycache__" not in path.parts
+        ):
             pkg = ".".join(path.parent.relative_to(HERE).parts)
             data.setdefault(pkg, []).append(path.name)
     return data
@@ -89,8 +93,6 @@ setup(
     cmdclass={"build_py": BuildPyWithManifest},
     # The same runtime requirements as upstream megatron-core 0.18.2.
     install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
-    extras_require={
-        "training": ["pyyaml", "einops~=0.8"],
-    },
+    extras_require={"training": ["pyyaml", "einops~=0.8"]},
     entry_points={"console_scripts": ["megatron-fork-verify=megatron_fork.manifest:main_verify"]},
 )

@@ -68,7 +68,8 @@ def make_patch(sandbox, name, old, new, subject="test: change a default"):
     assert old in text
     (work / TARGET).write_text(text.replace(old, new, 1))
     subprocess.run(
-        [*git, "commit", "-qam", f"{subject}\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True
+        [*git, "commit", "-qam", f"{subject}\n\nBody.\n\nUpstream-Status: not-forwarded"],
+        check=True,
     )
     out = subprocess.run(
         [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
@@ -93,7 +94,12 @@ def tree_digest(sandbox):
 
 
 def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
-    original = make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    original = make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "materialize").returncode == 0
     assert "overlap_grad_reduce: bool = True" in (sandbox / TARGET).read_text()
@@ -102,7 +108,9 @@ def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
     exported = sorted((sandbox / "patches").glob("*.patch"))
     assert [p.name for p in exported] == ["0001-a.patch"]
     first = exported[0].read_bytes()
-    assert b"overlap_grad_reduce: bool = True" in first and original.splitlines()[3] in first.decode()
+    assert (
+        b"overlap_grad_reduce: bool = True" in first and original.splitlines()[3] in first.decode()
+    )
     proc = run(sandbox, "export")
     assert proc.returncode == 0 and "no byte changed" in proc.stdout
     assert exported[0].read_bytes() == first
@@ -111,7 +119,12 @@ def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
 
 
 def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
-    make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "materialize").returncode == 0
     target = sandbox / TARGET
@@ -136,7 +149,12 @@ def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
 
 
 def test_truncated_patch_is_refused(sandbox):
-    text = make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    text = make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
     (sandbox / "patches" / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
@@ -155,7 +173,12 @@ def _shift_hunk(text, delta):
 
 
 def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sandbox):
-    text = make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    text = make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
     # Offset: the hunk claims a position 7 lines off.
     (sandbox / "patches" / "0001-a.patch").write_text(_shift_hunk(text, 7))
     add_to_series(sandbox, "0001-a.patch")
@@ -170,22 +193,38 @@ def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sand
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5 and "fuzz" in proc.stderr
     # Conflict: the changed line itself is different upstream.
-    conflict = text.replace("-    overlap_grad_reduce: bool = False", "-    overlap_grad_reduce: int = 3")
+    conflict = text.replace(
+        "-    overlap_grad_reduce: bool = False", "-    overlap_grad_reduce: int = 3"
+    )
     (sandbox / "patches" / "0001-a.patch").write_text(conflict)
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
-    assert re.search(r"0001-a\.patch: file \S+distributed_data_parallel_config\.py: hunk #1 FAILED", proc.stderr)
+    assert re.search(
+        r"0001-a\.patch: file \S+distributed_data_parallel_config\.py: hunk #1 FAILED", proc.stderr
+    )
     assert tree_digest(sandbox) == before
 
 
 def test_series_entry_without_file_and_file_not_in_series(sandbox):
     add_to_series(sandbox, "0001-missing.patch")
     proc = run(sandbox, "materialize")
-    assert proc.returncode == 2 and "0001-missing.patch" in proc.stderr and "does not exist" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "0001-missing.patch" in proc.stderr
+        and "does not exist" in proc.stderr
+    )
     (sandbox / "patches" / "series").write_text("")
-    make_patch(sandbox, "0002-stray.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
+    make_patch(
+        sandbox,
+        "0002-stray.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
     proc = run(sandbox, "check")
-    assert proc.returncode == 1 and "patches/0002-stray.patch is not listed in patches/series" in proc.stderr
+    assert (
+        proc.returncode == 1
+        and "patches/0002-stray.patch is not listed in patches/series" in proc.stderr
+    )
 
 
 def test_wheel_hash_mismatch_is_refused(sandbox, tmp_path):
@@ -202,7 +241,13 @@ def test_wheel_hash_mismatch_is_refused(sandbox, tmp_path):
 
 def test_missing_upstream_offline(sandbox, tmp_path):
     before = tree_digest(sandbox)
-    proc = run(sandbox, "materialize", "--force", "--offline", env={"MEGATRON_FORK_CACHE": str(tmp_path / "empty")})
+    proc = run(
+        sandbox,
+        "materialize",
+        "--force",
+        "--offline",
+        env={"MEGATRON_FORK_CACHE": str(tmp_path / "empty")},
+    )
     assert proc.returncode == 4 and "not available offline" in proc.stderr
     assert tree_digest(sandbox) == before
 
@@ -216,17 +261,40 @@ def test_offline_from_local_git_checkout_at_named_revision(sandbox, tmp_path):
     subprocess.run([*git, "commit", "-qm", "v"], check=True)
     subprocess.run([*git, "tag", "core_v0.18.2"], check=True)
     env = {"MEGATRON_FORK_CACHE": str(tmp_path / "empty")}
-    proc = run(sandbox, "materialize", "--force", "--offline", "--git-repo", str(checkout), "--rev", "core_v0.18.2", env=env)
+    proc = run(
+        sandbox,
+        "materialize",
+        "--force",
+        "--offline",
+        "--git-repo",
+        str(checkout),
+        "--rev",
+        "core_v0.18.2",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     (checkout / TARGET).write_text("# changed\n")
     subprocess.run([*git, "commit", "-qam", "drift"], check=True)
-    proc = run(sandbox, "materialize", "--force", "--git-repo", str(checkout), "--rev", "HEAD", env=env)
+    proc = run(
+        sandbox, "materialize", "--force", "--git-repo", str(checkout), "--rev", "HEAD", env=env
+    )
     assert proc.returncode == 3 and "is not megatron-core 0.18.2" in proc.stderr
 
 
 def test_interrupted_apply_leaves_previous_tree(sandbox):
-    make_patch(sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
-    make_patch(sandbox, "0002-b.patch", "use_distributed_optimizer: bool = False", "use_distributed_optimizer: bool = True", subject="test: b")
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    make_patch(
+        sandbox,
+        "0002-b.patch",
+        "use_distributed_optimizer: bool = False",
+        "use_distributed_optimizer: bool = True",
+        subject="test: b",
+    )
     add_to_series(sandbox, "0001-a.patch", "0002-b.patch")
     before = tree_digest(sandbox)
     proc = run(sandbox, "materialize", "--test-interrupt-after", "1")
@@ -237,19 +305,52 @@ def test_interrupted_apply_leaves_previous_tree(sandbox):
 
 def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
     pristine = (sandbox / TARGET).read_text()
-    make_patch(sandbox, "0001-clean.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True")
-    off = make_patch(sandbox, "0002-off.patch", "use_distributed_optimizer: bool = False", "use_distributed_optimizer: bool = True", subject="b")
+    make_patch(
+        sandbox,
+        "0001-clean.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    off = make_patch(
+        sandbox,
+        "0002-off.patch",
+        "use_distributed_optimizer: bool = False",
+        "use_distributed_optimizer: bool = True",
+        subject="b",
+    )
     (sandbox / "patches" / "0002-off.patch").write_text(_shift_hunk(off, 9))
     # "upstream": a patch whose result is what the base already has.
-    (sandbox / TARGET).write_text(pristine.replace("check_for_nan_in_grad: bool = False", "check_for_nan_in_grad: bool = None", 1))
+    (sandbox / TARGET).write_text(
+        pristine.replace(
+            "check_for_nan_in_grad: bool = False", "check_for_nan_in_grad: bool = None", 1
+        )
+    )
     work = sandbox / TARGET
     assert "check_for_nan_in_grad: bool = None" in work.read_text()
-    up = make_patch(sandbox, "0003-up.patch", "check_for_nan_in_grad: bool = None", "check_for_nan_in_grad: bool = False", subject="c")
+    up = make_patch(
+        sandbox,
+        "0003-up.patch",
+        "check_for_nan_in_grad: bool = None",
+        "check_for_nan_in_grad: bool = False",
+        subject="c",
+    )
     (sandbox / TARGET).write_text(pristine)
     assert "bool = None" not in (sandbox / TARGET).read_text() and up
-    bad = make_patch(sandbox, "0004-conflict.patch", "check_for_large_grads: bool = False", "check_for_large_grads: bool = True", subject="d")
-    (sandbox / "patches" / "0004-conflict.patch").write_text(bad.replace("-    check_for_large_grads: bool = False", "-    check_for_large_grads: str = 'x'"))
-    add_to_series(sandbox, "0001-clean.patch", "0002-off.patch", "0003-up.patch", "0004-conflict.patch")
+    bad = make_patch(
+        sandbox,
+        "0004-conflict.patch",
+        "check_for_large_grads: bool = False",
+        "check_for_large_grads: bool = True",
+        subject="d",
+    )
+    (sandbox / "patches" / "0004-conflict.patch").write_text(
+        bad.replace(
+            "-    check_for_large_grads: bool = False", "-    check_for_large_grads: str = 'x'"
+        )
+    )
+    add_to_series(
+        sandbox, "0001-clean.patch", "0002-off.patch", "0003-up.patch", "0004-conflict.patch"
+    )
     proc = run(sandbox, "status", "--base", "0.18.2")
     assert proc.returncode == 0, proc.stderr
     rows = {l.split()[0]: l.split()[1] for l in proc.stdout.splitlines() if l.startswith("000")}

@@ -1,4 +1,4 @@
-"""The README's main job: run the fork's scenarios on pristine upstream and on the fork, print a table.
+"""The README's main job: the fork's scenarios on pristine upstream and on the fork, as a table.
 
 Runs on CPU ranks with gloo (world size 2) by default, or with NCCL when ``FORK_TEST_BACKEND=nccl``
 (``tools/demo.sh`` sets it when GPUs are present; the world size is then the GPU count, at most 2).
@@ -42,7 +42,8 @@ def short(result):
     if "zeros" in result:
         return f"norm {result['norm']:.4f}, zeros {result['zeros']}"
     if "norm" in result:
-        return f"trains, grad norm {result['norm']:.4f} (calibration step {result['calibration_norm']:.4f})"
+        calib = result["calibration_norm"]
+        return f"trains, grad norm {result['norm']:.4f} (calibration step {calib:.4f})"
     return str(result)[:90]
 
 
@@ -68,9 +69,11 @@ def main():
         (f"expert grad norm / zero count, TP=EP={world}, ETP=1, distopt", 4),
     ]
     ok = True
-    print(f"\nworld size {world}, backend {os.environ.get('FORK_TEST_BACKEND', 'gloo')}, "
-          f"{time.time() - start:.0f} s\n")
-    print(f"| scenario | pristine megatron-core 0.18.2 | fork 0.18.2+fork |")
+    print(
+        f"\nworld size {world}, backend {os.environ.get('FORK_TEST_BACKEND', 'gloo')}, "
+        f"{time.time() - start:.0f} s\n"
+    )
+    print("| scenario | pristine megatron-core 0.18.2 | fork 0.18.2+fork |")
     print("|---|---|---|")
     for label, index in rows:
         p, f = pristine[index][0], fork[index][0]
@@ -84,9 +87,11 @@ def main():
             ok &= math.isclose(p["norm"], math.sqrt(2), rel_tol=1e-6)
     u = upstream_019[0][0]
     print(f"| (reference) upstream 0.19.2, expert grad stats | {short(u)} | |")
-    print("\nexpected: pristine dies or is silently wrong; the fork trains, or fails loudly where "
-          "upstream trains on wrong gradients; expert norm sqrt(1+world) = "
-          f"{math.sqrt(1 + world):.4f} and zeros {1 + world} on the fork (and on 0.19.2).")
+    print(
+        "\nexpected: pristine dies or is silently wrong; the fork trains, or fails loudly where "
+        "upstream trains on wrong gradients; expert norm sqrt(1+world) = "
+        f"{math.sqrt(1 + world):.4f} and zeros {1 + world} on the fork (and on 0.19.2)."
+    )
     print("demo: OK" if ok else "demo: UNEXPECTED OUTCOME")
     return 0 if ok else 1
 

@@ -122,7 +122,8 @@ def cmd_check(args, pin):
         drift.append("series")
     if drift:
         raise ForkError(
-            "check failed: export is not idempotent for " + ", ".join(drift)
+            "check failed: export is not idempotent for "
+            + ", ".join(drift)
             + " (run materialize + export and commit the result)",
             EXIT_FAILED,
         )

@@ -91,7 +91,8 @@ def verify(manifest_path=None, do_import=False):
     if root != manifest_path.resolve().parent.parent:
         ok = False
         report.append(
-            f"SHADOWED: megatron.core at {core_dir} is not the fork installed with {manifest_path}; "
+            f"SHADOWED: megatron.core at {core_dir} is not the fork installed with "
+            f"{manifest_path}; "
             "an upstream megatron-core (or another checkout) comes first on sys.path"
         )
     try:
@@ -101,7 +102,8 @@ def verify(manifest_path=None, do_import=False):
     if version != manifest["version"]:
         ok = False
         report.append(
-            f"distribution megatron-core is {version!r}, the manifest says {manifest['version']!r}: "
+            f"distribution megatron-core is {version!r}, "
+            f"the manifest says {manifest['version']!r}: "
             "an upstream megatron-core is installed over or beside the fork"
         )
     bad = []

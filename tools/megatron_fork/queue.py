@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_DIRTY, EXIT_USAGE, ForkError
-from .series import PATCH_DIR, CLEAN, classify, load_series, read_series
-from .upstream import REPO, base_entry, obtain_tree
+from .series import CLEAN, PATCH_DIR, classify, load_series
+from .upstream import REPO, obtain_tree
 
 TREE = REPO / "megatron"
 PQ = REPO / ".pq"
@@ -102,7 +102,9 @@ def is_current():
 
 
 def _fingerprint(rendered):
-    return "".join(f"{hashlib.sha256(text.encode()).hexdigest()}  {name}\n" for name, text in rendered.items())
+    return "".join(
+        f"{hashlib.sha256(text.encode()).hexdigest()}  {name}\n" for name, text in rendered.items()
+    )
 
 
 def materialize(pin, base_name, force=False, dest_tree=None, interrupt_after=None, **source):
@@ -232,11 +234,18 @@ def export():
         )
     rendered = render_patches()
     applied = PQ / APPLIED_FILE
-    ours = {line.split("  ", 1)[1] for line in applied.read_text().splitlines()} if applied.is_file() else set()
-    strangers = [p.name for p in PATCH_DIR.glob("*.patch") if p.name not in rendered and p.name not in ours]
+    ours = (
+        {line.split("  ", 1)[1] for line in applied.read_text().splitlines()}
+        if applied.is_file()
+        else set()
+    )
+    strangers = [
+        p.name for p in PATCH_DIR.glob("*.patch") if p.name not in rendered and p.name not in ours
+    ]
     if strangers:
         raise ForkError(
-            "patches/ holds files that the queue never applied: " + ", ".join(sorted(strangers))
+            "patches/ holds files that the queue never applied: "
+            + ", ".join(sorted(strangers))
             + "; list them in patches/series and run materialize (or move them away) before "
             "exporting, so that nothing is deleted by accident",
             EXIT_DIRTY,

@@ -175,7 +175,9 @@ def describe_failure(patch, output):
             current = m.group(1)
         m = re.match(r"^Hunk #(\d+) FAILED at (\d+)", line)
         if m:
-            failures.append(f"{patch.name}: file {current}: hunk #{m.group(1)} FAILED at line {m.group(2)}")
+            failures.append(
+                f"{patch.name}: file {current}: hunk #{m.group(1)} FAILED at line {m.group(2)}"
+            )
         if "can't find file" in line or "No file to patch" in line:
             failures.append(f"{patch.name}: file {current}: does not exist in the tree")
         if "Only garbage" in line or "malformed patch" in line:
@@ -208,7 +210,7 @@ def classify(patch, tree):
 
 
 def apply_strict(patch, tree):
-    """Apply ``patch`` to ``tree`` with zero fuzz and zero offset, or fail naming patch/file/hunk."""
+    """Apply ``patch`` with zero fuzz and zero offset, or fail naming patch, file and hunk."""
     outcome, detail = classify(patch, tree)
     if outcome != CLEAN:
         what = {

@@ -8,7 +8,13 @@ from pathlib import Path
 from .series import CLEAN, CONFLICT, FUZZ, OFFSET, UPSTREAM, classify, gnu_patch, load_series
 from .upstream import extract_git, obtain_tree
 
-SYMBOL = {CLEAN: "clean", OFFSET: "offset", FUZZ: "fuzz", CONFLICT: "CONFLICT", UPSTREAM: "upstream"}
+SYMBOL = {
+    CLEAN: "clean",
+    OFFSET: "offset",
+    FUZZ: "fuzz",
+    CONFLICT: "CONFLICT",
+    UPSTREAM: "upstream",
+}
 
 
 def evaluate(patches, tree):
@@ -131,7 +137,9 @@ def render(patches, matrix, am3=None):
 def status(pin, names, git_repo=None, am3=False, source=None):
     """Compute the matrix; return (patches, matrix, am3 results or None)."""
     patches = load_series()
-    matrix = {label: evaluate(patches, tree) for label, tree in base_trees(pin, names, git_repo, source)}
+    matrix = {
+        label: evaluate(patches, tree) for label, tree in base_trees(pin, names, git_repo, source)
+    }
     am3_results = None
     if am3 and git_repo:
         commit = pin["git_bases"]["dev"]["commit"]

@@ -139,7 +139,7 @@ def fetch_wheel(pin, name, wheel=None, wheel_dir=None, offline=False):
 
 
 def extract_wheel(wheel_path, dest):
-    """Extract the upstream sources (``megatron/**``, no build products) of a wheel into ``dest``."""
+    """Extract the upstream sources (``megatron/**``, no build products) of a wheel to ``dest``."""
     with zipfile.ZipFile(wheel_path) as zf:
         for info in zf.infolist():
             name = info.filename
@@ -158,7 +158,16 @@ def extract_git(repo, rev, dest):
     if not Path(repo).exists():
         raise ForkError(f"git checkout {repo} does not exist", EXIT_UNAVAILABLE)
     archive = subprocess.run(
-        ["git", "-C", str(repo), "archive", "--format=tar", rev, "megatron/core", "megatron/training"],
+        [
+            "git",
+            "-C",
+            str(repo),
+            "archive",
+            "--format=tar",
+            rev,
+            "megatron/core",
+            "megatron/training",
+        ],
         capture_output=True,
     )
     if archive.returncode != 0:
@@ -169,7 +178,9 @@ def extract_git(repo, rev, dest):
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
 
-def obtain_tree(pin, name, dest, wheel=None, wheel_dir=None, offline=False, git_repo=None, rev=None):
+def obtain_tree(
+    pin, name, dest, wheel=None, wheel_dir=None, offline=False, git_repo=None, rev=None
+):
     """Write the pristine upstream tree of base ``name`` into ``dest`` and return a description.
 
     Args:
