@@ -36,7 +36,7 @@ def short(result):
         return "harness error: " + result["error"][:70]
     if result.get("step_error") or result.get("raised"):
         text = result.get("step_error") or result.get("raised")
-        return "DIES: " + text.split("\n")[0][:90]
+        return "DIES: " + text.split("\n")[0][:120]
     if "losses" in result:
         return "trains, losses " + ", ".join(f"{x:.4f}" for x in result["losses"])
     if "zeros" in result:
