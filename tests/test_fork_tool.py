@@ -361,3 +361,35 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "0004-conflict.patch": "CONFLICT",
     }
     assert "0003-up.patch: found upstream in 0.18.2" in proc.stdout
+
+
+def test_upstream_commit_trailer_is_verified_against_the_tree(tmp_path):
+    """A backport in our own words counts as upstream only if upstream's commit reverse-applies."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from megatron_fork.series import Patch  # pylint: disable=import-outside-toplevel
+    from megatron_fork.status import (  # pylint: disable=import-outside-toplevel
+        contains_upstream_commit,
+    )
+
+    repo = tmp_path / "upstream"
+    (repo / "megatron").mkdir(parents=True)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    lines = [f"line {i}\n" for i in range(20)]
+    (repo / "megatron" / "m.py").write_text("".join(lines))
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    lines[10] = "line 10 fixed upstream's way\n"
+    (repo / "megatron" / "m.py").write_text("".join(lines))
+    subprocess.run([*git, "commit", "-qam", "fix"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    patch = Patch(name="0001-x.patch", path=tmp_path / "x.patch", upstream_commits=[sha])
+    patch.files = ["megatron/m.py"]
+    fixed, old = tmp_path / "fixed", tmp_path / "old"
+    for tree, content in ((fixed, repo / "megatron" / "m.py"), (old, None)):
+        (tree / "megatron").mkdir(parents=True)
+        text = content.read_text() if content else "".join(f"line {i}\n" for i in range(20))
+        (tree / "megatron" / "m.py").write_text(text)
+    assert contains_upstream_commit(patch, fixed, repo).startswith("contains upstream commit")
+    assert contains_upstream_commit(patch, old, repo) is None
+    assert contains_upstream_commit(patch, fixed, None) is None

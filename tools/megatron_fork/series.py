@@ -29,6 +29,7 @@ class Patch:
         subject: the subject line without the ``[PATCH]`` prefix.
         upstream_status: the ``Upstream-Status:`` trailer.
         requires: the ``Requires:`` trailers (file names of earlier patches).
+        upstream_commits: the ``Upstream-Commit:`` trailers (Megatron-LM commits with the change).
         files: the paths the patch touches.
     """
 
@@ -37,6 +38,7 @@ class Patch:
     subject: str = ""
     upstream_status: str = ""
     requires: list = field(default_factory=list)
+    upstream_commits: list = field(default_factory=list)
     files: list = field(default_factory=list)
 
 
@@ -99,6 +101,7 @@ def parse_patch(path):
     status = re.search(r"^Upstream-Status: (.+)$", header, re.M)
     patch.upstream_status = status.group(1).strip() if status else ""
     patch.requires = re.findall(r"^Requires: (\S+)", header, re.M)
+    patch.upstream_commits = re.findall(r"^Upstream-Commit: ([0-9a-f]{7,40})", header, re.M)
     patch.files = re.findall(r"^\+\+\+ b/(\S+)", text, re.M) + re.findall(
         r"^--- a/(\S+)\n\+\+\+ /dev/null", text, re.M
     )

@@ -17,11 +17,47 @@ SYMBOL = {
 }
 
 
-def evaluate(patches, tree):
+def contains_upstream_commit(patch, tree, git_repo):
+    """Check whether ``tree`` already holds the upstream commits a patch names.
+
+    A backport written in the fork's own words cannot reverse-apply on a release that merged
+    upstream's version. Its ``Upstream-Commit:`` trailers name upstream's commits; this reverse-
+    applies each commit's hunks to the files the patch touches. The trailer only says where to
+    look: the verdict comes from the tree's content.
+
+    Returns:
+        A detail string when every named commit reverse-applies, else None.
+    """
+    if not git_repo or not patch.upstream_commits:
+        return None
+    verified = []
+    for sha in patch.upstream_commits:
+        diff = subprocess.run(
+            ["git", "-C", str(git_repo), "show", "--format=", sha, "--", *patch.files],
+            capture_output=True,
+        )
+        if diff.returncode != 0 or not diff.stdout.strip():
+            return None
+        with tempfile.NamedTemporaryFile(suffix=".diff") as f:
+            f.write(diff.stdout)
+            f.flush()
+            rc, _ = gnu_patch(f.name, tree, reverse=True, fuzz=2)
+        if rc != 0:
+            return None
+        verified.append(sha[:10])
+    return "contains upstream commit " + ", ".join(verified) + " (its hunks reverse-apply)"
+
+
+def evaluate(patches, tree, git_repo=None):
     """Classify each patch against ``tree``, applying the series cumulatively as it goes.
 
     A patch found already upstream is not applied; one that applies (with offset or fuzz) is
     applied so that later patches see it; a conflicting one is skipped.
+
+    Args:
+        patches: the series.
+        tree: a scratch copy of the base (modified in place).
+        git_repo: a Megatron-LM clone, to verify ``Upstream-Commit:`` trailers.
 
     Returns:
         {patch name: (outcome, detail)}
@@ -29,6 +65,10 @@ def evaluate(patches, tree):
     cells = {}
     for patch in patches:
         outcome, detail = classify(patch, tree)
+        if outcome not in (CLEAN, UPSTREAM):
+            found = contains_upstream_commit(patch, tree, git_repo)
+            if found:
+                outcome, detail = UPSTREAM, found
         if outcome in (CLEAN, OFFSET, FUZZ):
             gnu_patch(patch.path, tree, fuzz=3, dry_run=False)
         cells[patch.name] = (outcome, detail)
@@ -138,7 +178,8 @@ def status(pin, names, git_repo=None, am3=False, source=None):
     """Compute the matrix; return (patches, matrix, am3 results or None)."""
     patches = load_series()
     matrix = {
-        label: evaluate(patches, tree) for label, tree in base_trees(pin, names, git_repo, source)
+        label: evaluate(patches, tree, git_repo)
+        for label, tree in base_trees(pin, names, git_repo, source)
     }
     am3_results = None
     if am3 and git_repo:
