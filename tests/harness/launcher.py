@@ -192,7 +192,10 @@ def run_world(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_
     if all(procs[r].returncode != 0 for r in range(world_size)) and not any(
         os.path.exists(os.path.join(work, f'rank{r}.json')) for r in range(world_size)
     ):
-        raise HarnessError(f'world of {world_size} on {label} failed to start\n' + _tails(work, world_size))
+        raise HarnessError(
+            f'world of {world_size} on {label} ({path}) failed to start, return codes '
+            f'{[p.returncode for p in procs]}\n' + _tails(work, world_size)
+        )
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
 
 
