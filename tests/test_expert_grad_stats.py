@@ -8,12 +8,11 @@ Item 6 (EP = 1, ETP != TP, a gradient-sync problem the series does not fix) is p
 fork so that a change of behaviour is noticed; see docs/expert-grad-stats.md.
 """
 
-import functools
 import math
 
 import pytest
 
-from tests.harness.launcher import run_world
+from tests.harness import call
 from tests.scenarios.expert_grad_stats import layouts
 
 MOD = 'tests.scenarios.expert_grad_stats'
@@ -21,19 +20,39 @@ SEEDS = [1, 2, 3]
 REL = 1e-6
 
 
-@functools.lru_cache(maxsize=None)
-def _world(tree, world_size, with_layouts):
+def _register(tree, world_size, with_layouts):
+    """Register this module's calls for (tree, world_size); they share the launch of that world."""
     calls = [
-        (f'{MOD}:scenario_exact_oracle', {'use_distributed_optimizer': False}),
-        (f'{MOD}:scenario_exact_oracle', {'use_distributed_optimizer': True}),
+        call(world_size, tree, f'{MOD}:scenario_exact_oracle', use_distributed_optimizer=False),
+        call(world_size, tree, f'{MOD}:scenario_exact_oracle', use_distributed_optimizer=True),
     ]
     if with_layouts:
         calls.append(
-            (f'{MOD}:scenario_layouts', {'layout_list': layouts(world_size), 'seeds': SEEDS})
+            call(
+                world_size,
+                tree,
+                f'{MOD}:scenario_layouts',
+                layout_list=layouts(world_size),
+                seeds=SEEDS,
+            )
         )
-    if world_size == 2:
-        calls.append((f'{MOD}:scenario_expert_layer_sync', {'tp': 2, 'ep': 1, 'etp': 1}))
-    results = run_world(world_size, tree, calls)
+    if world_size == 2 and tree == 'fork':
+        calls.append(call(world_size, tree, f'{MOD}:scenario_expert_layer_sync', tp=2, ep=1, etp=1))
+    return calls
+
+
+CALLS = {
+    (tree, world): _register(tree, world, tree == 'fork')
+    for tree in ('fork', 'pristine-0.18.2', 'pristine-0.19.2')
+    for world in (2, 4)
+}
+# World 1 (TP = EP = ETP = 1) is the only layout one GPU can run; there the oracle is sqrt(2), 2.
+CALLS[('fork', 1)] = _register('fork', 1, True)
+
+
+def _world(tree, world_size, with_layouts=None):
+    """Per-call, per-rank results for (tree, world_size), failing on any rank error."""
+    results = [c.result() for c in CALLS[(tree, world_size)]]
     for per_rank in results:
         for rank, res in enumerate(per_rank):
             assert 'error' not in res, f'{tree} world {world_size} rank {rank}: {res["error"]}'
@@ -50,7 +69,7 @@ def _check_exact(results, world, expect_fixed):
             assert res['zeros'] == zeros, res
 
 
-@pytest.mark.parametrize('world', [2, 4])
+@pytest.mark.parametrize('world', [1, 2, 4])
 def test_fork_exact_oracle(world):
     results = _world('fork', world, True)
     _check_exact(results, world, expect_fixed=True)
@@ -63,7 +82,7 @@ def test_fork_exact_oracle(world):
             assert False in res['expert_allreduce_seen']
 
 
-@pytest.mark.parametrize('world', [2, 4])
+@pytest.mark.parametrize('world', [1, 2, 4])
 def test_fork_layouts_match_fp64_oracle(world):
     per_rank = _world('fork', world, True)[2]
     cases = per_rank[0]['cases']

@@ -71,10 +71,10 @@ fi
 # ---- 1. GPU tier of the test suite (world-1 scenarios) ----------------------------------------
 # Call-based tests (tests.harness.call) skip worlds larger than the GPU count by themselves;
 # test_ddp_calibration launches worlds directly, so only its world-1 parametrizations are picked.
-DEFAULT_K='test_warmup or test_ddp_training or test_harness or (test_ddp_calibration and (-1] or [1]))'
+DEFAULT_K='test_warmup or test_ddp_training or test_harness or (test_ddp_calibration and (-1] or [1])) or (test_expert_grad_stats and 1])'
 FILES=""
 for f in tests/test_warmup.py tests/test_ddp_training.py tests/test_harness.py \
-         tests/test_ddp_calibration.py; do
+         tests/test_ddp_calibration.py tests/test_expert_grad_stats.py; do
   [ -f "$f" ] && FILES="$FILES $f"
 done
 if [ "$DRY" = 1 ]; then
