@@ -88,7 +88,7 @@ if [[ "$SKIP" != *,tests,* ]]; then
   echo "== tests ($BACKEND): pytest$FILES -m 'not slow' -k '$K'  [t=$(elapsed)s]"
   rm -rf /tmp/harness-w*
   FORK_TEST_BACKEND=$BACKEND FORK_TEST_WORLD_TIMEOUT=${FORK_TEST_WORLD_TIMEOUT:-140} \
-    timeout 150 "$PY" -m pytest $FILES -q -ra -p no:cacheprovider -m "not slow" -k "$K" \
+    timeout "${GPU_EVIDENCE_TEST_TIMEOUT:-150}" "$PY" -m pytest $FILES -q -ra -p no:cacheprovider -m "not slow" -k "$K" \
     2>&1 | tee "$OUT/pytest.log"
   RC[tests]=${PIPESTATUS[0]}
   tar czf "$OUT/harness-logs.tgz" /tmp/harness-w* 2>/dev/null || true
@@ -115,8 +115,8 @@ else
   SMALL=(--device cuda --layers 4 --hidden 1024 --seq 1024 --accum 2 --micro-batch 1 --steps 20)
   LARGE=(--device cuda --layers 12 --hidden 2048 --seq 2048 --accum 2 --micro-batch 1 --steps 8)
 fi
-[[ "$SKIP" == *,small,* ]] || bench small 150 110 "${SMALL[@]}"
-[[ "$SKIP" == *,large,* ]] || bench large 220 160 "${LARGE[@]}"
+[[ "$SKIP" == *,small,* ]] || bench small "${GPU_EVIDENCE_SMALL_TIMEOUT:-150}" "${GPU_EVIDENCE_SMALL_MAX:-110}" "${SMALL[@]}"
+[[ "$SKIP" == *,large,* ]] || bench large "${GPU_EVIDENCE_LARGE_TIMEOUT:-220}" "${GPU_EVIDENCE_LARGE_MAX:-160}" "${LARGE[@]}"
 
 # ---- summary ------------------------------------------------------------------------------------
 {
