@@ -113,7 +113,7 @@ if [ "$DRY" = 1 ]; then
   [ "${GPU_EVIDENCE_REPEATS:-}" ] || REPEATS=1
 else
   SMALL=(--device cuda --layers 4 --hidden 1024 --seq 1024 --accum 2 --micro-batch 1 --steps 20)
-  LARGE=(--device cuda --layers 12 --hidden 2048 --seq 2048 --accum 2 --micro-batch 1 --steps 8)
+  LARGE=(--device cuda --layers 12 --hidden 2048 --seq 2048 --accum 2 --micro-batch 1 --steps 30)
 fi
 [[ "$SKIP" == *,small,* ]] || bench small "${GPU_EVIDENCE_SMALL_TIMEOUT:-150}" "${GPU_EVIDENCE_SMALL_MAX:-110}" "${SMALL[@]}"
 [[ "$SKIP" == *,large,* ]] || bench large "${GPU_EVIDENCE_LARGE_TIMEOUT:-220}" "${GPU_EVIDENCE_LARGE_MAX:-160}" "${LARGE[@]}"
