@@ -1,4 +1,4 @@
-"""Tests of the harness itself: redirect, tree checks, error reporting, and an upstream-bug proof."""
+"""Tests of the harness itself: redirect, tree checks, error reporting, an upstream-bug proof."""
 
 import os
 import re

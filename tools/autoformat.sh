@@ -91,19 +91,27 @@ def report(msg):
     print(msg)
 
 
-def diff_old_ranges(diff_text):
-    """Yields (start, count) of the old side of each unified-diff hunk."""
-    for m in re.finditer(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", diff_text, re.M):
-        yield int(m.group(1)), int(m.group(2) if m.group(2) is not None else 1)
-
-
 def hunks_meet(diff_text, lines):
-    """True when any hunk of a formatter's diff (old side) covers one of `lines`."""
-    for start, count in diff_old_ranges(diff_text):
-        span = range(start, start + max(count, 1))
-        if any(n in lines for n in span):
-            return True
-    return False
+    """True when a formatter's diff changes (removes, or inserts next to) one of `lines`.
+
+    Context lines of a hunk do not count: upstream's own unformatted code next to a line the
+    series added is not the series' finding.
+    """
+    changed, old_no = set(), 0
+    for line in diff_text.splitlines():
+        m = re.match(r"^@@ -(\d+)", line)
+        if m:
+            old_no = int(m.group(1))
+        elif line.startswith("---") or line.startswith("+++"):
+            continue
+        elif line.startswith("-"):
+            changed.add(old_no)
+            old_no += 1
+        elif line.startswith("+"):
+            changed.update({old_no - 1, old_no})
+        elif line.startswith(" "):
+            old_no += 1
+    return bool(changed & set(lines))
 
 
 def own_files():

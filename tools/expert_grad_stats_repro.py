@@ -34,6 +34,7 @@ def _parse():
 
 
 def main():
+    """Build the exact case, run it, print the JSON report; exit 1 if the expectation fails."""
     args = _parse()
     tree = os.path.realpath(args.tree)
     if not os.path.isdir(os.path.join(tree, 'megatron')):
@@ -85,6 +86,8 @@ def main():
     device = torch.device('cpu') if args.cpu else torch.device('cuda', torch.cuda.current_device())
 
     class Tiny(torch.nn.Module):
+        """One replicated dense scalar and one expert scalar (allreduce=False)."""
+
         def __init__(self):
             super().__init__()
             self.dense = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16, device=device))

@@ -113,7 +113,8 @@ class _CudaProxy(types.ModuleType):
             # _lazy_call/_lazy_init); they only queue work for a CUDA context that never starts.
             return getattr(_REAL_CUDA, name)
         raise UncoveredCudaCall(
-            f"torch.cuda.{name} is not covered by the CPU redirect (tests/harness/cpu_redirect.py); "
+            f"torch.cuda.{name} is not covered by the CPU redirect "
+            "(tests/harness/cpu_redirect.py); "
             f"called from {caller}; this code path needs a GPU or the redirect must be extended"
         )
 
@@ -133,7 +134,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
-        if 'device' in kwargs and (_is_cuda_device(kwargs['device']) or type(kwargs['device']) is int):
+        if 'device' in kwargs and (
+            _is_cuda_device(kwargs['device']) or type(kwargs['device']) is int
+        ):
             kwargs['device'] = _CPU
         if func is torch.Tensor.to and args:
             args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
@@ -141,10 +144,14 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
-    """Tensor.type(): CPU tensors report 'torch.cuda.<X>Tensor' (distributed optimizer, clip_grads)."""
+    """Tensor.type(): CPU tensors report torch.cuda.<X>Tensor (distopt and clip_grads check it)."""
     if dtype is None:
         name = _REAL_TENSOR_TYPE(self)
-        if self.device.type == 'cpu' and name.startswith('torch.') and not name.startswith('torch.cuda.'):
+        if (
+            self.device.type == 'cpu'
+            and name.startswith('torch.')
+            and not name.startswith('torch.cuda.')
+        ):
             return 'torch.cuda.' + name[len('torch.') :]
         return name
     if isinstance(dtype, str) and dtype.startswith('torch.cuda.'):

@@ -64,7 +64,9 @@ def resolve_tree(tree):
         if not os.path.isdir(os.path.join(path, 'megatron')):
             _fork_tool('pristine', tree[len('pristine-') :])
     else:
-        raise HarnessError(f"unknown tree {tree!r}: use 'fork', 'pristine-<ver>' or an absolute path")
+        raise HarnessError(
+            f"unknown tree {tree!r}: use 'fork', 'pristine-<ver>' or an absolute path"
+        )
     if not os.path.isdir(os.path.join(path, 'megatron')):
         raise HarnessError(f'tree {tree!r}: {path} does not contain megatron/')
     return label, path
@@ -117,7 +119,9 @@ def run_world(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_
     calls = [(target, dict(kwargs or {})) for target, kwargs in calls]
     label, path = resolve_tree(tree)
     if be == 'nccl' and world_size > gpu_count():
-        raise HarnessError(f'world_size {world_size} needs {world_size} GPUs, {gpu_count()} visible')
+        raise HarnessError(
+            f'world_size {world_size} needs {world_size} GPUs, {gpu_count()} visible'
+        )
     timeout = timeout or default_timeout(len(calls))
     work = tempfile.mkdtemp(prefix=f'harness-w{world_size}-')
     spec = {

@@ -91,7 +91,9 @@ def world_results(world_size, tree, calls, timeout=None):
 
     Calls registered earlier for the same (world_size, tree) run in the same launch.
     """
-    handles = [call(world_size, tree, target, timeout=timeout, **dict(kw or {})) for target, kw in calls]
+    handles = [
+        call(world_size, tree, target, timeout=timeout, **dict(kw or {})) for target, kw in calls
+    ]
     return [h.result() for h in handles]
 
 

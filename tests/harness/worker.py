@@ -2,7 +2,8 @@
 
 Usage: python -m tests.harness.worker SPEC_JSON RANK
 The spec holds world_size, backend, tree_path, tree_label, master_port, out_dir, pg_timeout_s and
-calls ([["pkg.module:function", {kwargs}], ...]). Results go to <out_dir>/rank<RANK>.json after every
+calls ([["pkg.module:function", {kwargs}], ...]). Results go to <out_dir>/rank<RANK>.json after
+every
 call, so a crash still leaves the results of the calls before it.
 """
 
@@ -92,7 +93,8 @@ def main(spec_path, rank):
     core_file = os.path.realpath(megatron.core.__file__)
     if not core_file.startswith(tree + os.sep):
         sys.stderr.write(
-            f"HARNESS-SHADOWED: megatron.core was imported from {core_file}, which is not under the "
+            f"HARNESS-SHADOWED: megatron.core was imported from {core_file}, "
+            "which is not under the "
             f"tree under test {tree}; refusing to run (an installed or other megatron shadows it)\n"
         )
         sys.exit(SHADOW_EXIT)

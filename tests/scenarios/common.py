@@ -290,12 +290,21 @@ class Trainer:
         self.initial_state = {k: v.cpu() for k, v in copy.deepcopy(model.core.state_dict()).items()}
         model = model.to(ctx.device)
         self.model = wrap_ddp(
-            model, self.config, overlap=overlap, distopt=distopt, bucket_size=bucket_size,
+            model,
+            self.config,
+            overlap=overlap,
+            distopt=distopt,
+            bucket_size=bucket_size,
             **(ddp_kwargs or {}),
         )
         self.optimizer = build_optimizer(
-            self.model, dtype=dtype, distopt=distopt, optimizer=optimizer, lr=lr,
-            clip_grad=clip_grad, **(opt_kwargs or {}),
+            self.model,
+            dtype=dtype,
+            distopt=distopt,
+            optimizer=optimizer,
+            lr=lr,
+            clip_grad=clip_grad,
+            **(opt_kwargs or {}),
         )
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -326,7 +335,11 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         data = rank_iterator(
-            self.seed, self.step_index, num_microbatches, self.dp_rank, self.ctx.device,
+            self.seed,
+            self.step_index,
+            num_microbatches,
+            self.dp_rank,
+            self.ctx.device,
             self.micro_batch_size,
         )
         losses = get_forward_backward_func()(
@@ -433,8 +446,17 @@ def train_steps(
         max_loss_diff, max_grad_norm_diff.
     """
     trainer = Trainer(
-        ctx, dtype=dtype, overlap=overlap, distopt=distopt, expert=expert, bucket_size=bucket_size,
-        optimizer=optimizer, lr=lr, clip_grad=clip_grad, seed=seed, **trainer_kwargs,
+        ctx,
+        dtype=dtype,
+        overlap=overlap,
+        distopt=distopt,
+        expert=expert,
+        bucket_size=bucket_size,
+        optimizer=optimizer,
+        lr=lr,
+        clip_grad=clip_grad,
+        seed=seed,
+        **trainer_kwargs,
     )
     out = [trainer.step(num_microbatches) for _ in range(steps)]
     params = trainer.params()
@@ -450,8 +472,15 @@ def train_steps(
     }
     if reference:
         ref = reference_train(
-            steps, num_microbatches, trainer.dp_size, expert=expert, optimizer=optimizer, lr=lr,
-            clip_grad=clip_grad, seed=seed, micro_batch_size=trainer.micro_batch_size,
+            steps,
+            num_microbatches,
+            trainer.dp_size,
+            expert=expert,
+            optimizer=optimizer,
+            lr=lr,
+            clip_grad=clip_grad,
+            seed=seed,
+            micro_batch_size=trainer.micro_batch_size,
             initial_state=trainer.initial_state,
         )
         result.update(

@@ -85,7 +85,7 @@ def _children(optimizer):
 
 
 def _expert_allreduce_seen(optimizer):
-    """``allreduce`` of every param the expert child optimizer holds (None if the attr is absent)."""
+    """``allreduce`` of every param the expert child optimizer holds (None when absent)."""
     seen = []
     for child in _children(optimizer):
         for param in child.get_parameters():
@@ -119,7 +119,7 @@ def _groups(ctx):
 
 
 def scenario_exact_oracle(ctx, use_distributed_optimizer):
-    """TP = EP = world, ETP = 1: one replicated dense scalar and one distinct expert scalar per rank.
+    """TP = EP = world, ETP = 1: one replicated dense scalar, one distinct expert scalar per rank.
 
     Expected: grads all 1 -> norm sqrt(1 + world); grads all 0 -> zero count 1 + world.
     """
