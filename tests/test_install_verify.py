@@ -1,0 +1,95 @@
+"""``verify`` of an installed fork: it passes on the install and names what is wrong otherwise.
+
+The suite runs in the environment that tools/install.sh made, where the fork is installed as
+megatron-core <base>+fork.<N>. A fake site directory built from that install checks the failure
+modes without touching the real one.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _installed_root():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import megatron_fork, os; print(os.path.dirname(megatron_fork.__file__))",
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        return None
+    root = Path(proc.stdout.strip()).parent
+    return root if (root / "megatron_fork" / "manifest.json").is_file() else None
+
+
+INSTALLED = _installed_root()
+needs_install = pytest.mark.skipif(
+    INSTALLED is None, reason="the fork is not installed here (tools/install.sh installs it)"
+)
+
+
+def verify(env=None, args=()):
+    """Run the installed verify from / (so no checkout's megatron/ is on sys.path)."""
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_fork.manifest", *args],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@needs_install
+def test_verify_passes_on_the_install_and_ships_no_test_redirect():
+    proc = verify()
+    assert proc.returncode == 0, proc.stdout
+    assert "verify: OK" in proc.stdout
+    manifest = json.loads((INSTALLED / "megatron_fork" / "manifest.json").read_text())
+    assert manifest["version"].startswith("0.18.2+fork.")
+    assert [p["name"] for p in manifest["patches"]] == (
+        REPO / "patches" / "series"
+    ).read_text().split()
+    assert not [f for f in manifest["files"] if "harness" in f or "cpu_redirect" in f]
+    assert not list((INSTALLED / "megatron").rglob("cpu_redirect*"))
+
+
+@needs_install
+def test_verify_catches_upstream_megatron_core_shadowing_the_fork():
+    pristine = REPO / "build" / "trees" / "pristine-0.18.2"
+    if not (pristine / "megatron").is_dir():
+        subprocess.run(
+            [sys.executable, str(REPO / "tools" / "fork.py"), "pristine", "0.18.2"], check=True
+        )
+    proc = verify(env={"PYTHONPATH": str(pristine)})
+    assert proc.returncode == 1
+    assert "SHADOWED: megatron.core at" in proc.stdout and "verify: FAILED" in proc.stdout
+
+
+@needs_install
+def test_verify_names_modified_missing_and_test_only_files(tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(INSTALLED / "megatron_fork", site / "megatron_fork")
+    shutil.copytree(
+        INSTALLED / "megatron", site / "megatron", ignore=shutil.ignore_patterns("*.so")
+    )
+    target = site / "megatron" / "core" / "distributed" / "param_and_grad_buffer.py"
+    target.write_text(target.read_text() + "# local edit\n")
+    (site / "megatron" / "core" / "package_info.py").unlink()
+    (site / "megatron" / "core" / "cpu_redirect.py").write_text("# leaked test helper\n")
+    proc = verify(env={"PYTHONPATH": str(site)})
+    assert proc.returncode == 1
+    assert "modified megatron/core/distributed/param_and_grad_buffer.py" in proc.stdout
+    assert "missing megatron/core/package_info.py" in proc.stdout
+    assert "test-only code shipped: megatron/core/cpu_redirect.py" in proc.stdout
