@@ -135,8 +135,9 @@ def test_reset_drains_outstanding_reduce(ws, name):
         # The step after the reset recalibrates and matches a run without the unfinished step.
         assert res['norms'] == ref[rank]['norms']
         assert all(g and set(g) == {1} for g in res['golden_after'])
-    # Bucket layout does not change the reduced grads.
-    assert ref[0]['norms'] == pytest.approx(_ok(world['drain_ref'])[0]['norms'], rel=1e-12)
+    if name == 'drain_many':
+        # Bucket layout (one group per param) does not change the reduced grads.
+        assert ref[0]['norms'] == pytest.approx(_ok(world['drain_ref'])[0]['norms'], rel=1e-12)
 
 
 @pytest.mark.parametrize('ws', WS)

@@ -42,7 +42,7 @@ def _register(tree, world_size, with_layouts):
 
 
 CALLS = {
-    (tree, world): _register(tree, world, tree == 'fork')
+    (tree, world): _register(tree, world, tree != 'pristine-0.19.2')
     for tree in ('fork', 'pristine-0.18.2', 'pristine-0.19.2')
     for world in (2, 4)
 }
@@ -117,3 +117,18 @@ def test_fork_item6_ep1_etp_ne_tp_still_dense_synced():
         # Dense DP has one rank here, so the two expert-DP replicas are not summed (3.0).
         assert set(res['grad_after_sync'].values()) == {float(rank + 1)}
         assert res['correct_grad_after_sync'] == 3.0
+
+
+@pytest.mark.parametrize('world', [2, 4])
+def test_pristine_0_18_2_layouts_disagree_with_fp64_oracle(world):
+    """Counterfactual of the property test: pristine 0.18.2 is wrong exactly where experts are
+    deduplicated over the wrong group, and right where there is nothing to deduplicate."""
+    cases = _world('pristine-0.18.2', world, True)[2][0]['cases']
+    bad = {
+        tuple(c['layout'])
+        for c in cases
+        if c['norm'] != pytest.approx(c['oracle_norm'], rel=REL) or c['zeros'] != c['oracle_zeros']
+    }
+    assert (2, 2, 1) in bad, bad  # TP2/EP2/ETP1: the second expert is dropped
+    assert (1, 1, 1) not in bad  # no tensor or expert parallelism: nothing to get wrong
+    assert all(tp > 1 or etp > 1 for tp, _, etp in bad), bad

@@ -62,6 +62,7 @@ EXACT = {
     1: call(1, FORK, S + 'scenario_exactness', combos=COMBOS_DP1),
 }
 FAULT = call(2, FORK, S + 'scenario_fault')
+FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
 BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
 
 
@@ -123,6 +124,13 @@ def test_exception_in_warmup_restores_and_reraises():
         assert res['identical_to_no_warmup']
 
 
+def test_failed_restore_keeps_the_step_error_and_restores_host_state():
+    for res in _ok(FAULT_RESTORE_FAILS.result()):
+        assert res['raised'] == '_Injected: injected failure inside a warmup step'
+        assert res['callbacks_restored'] and res['hooks_restored']
+        assert res['state_restored'], res['state_diff']
+
+
 def test_bad_input():
     (res,) = _ok(BAD_INPUT.result())
     flag = 'pretrain: error: argument --warmup-train-steps: --warmup-train-steps must be a'
@@ -142,6 +150,10 @@ def test_bad_input():
         'WarmupUnsupportedError: --warmup-train-steps does not support virtual pipeline'
     )
     assert errors['two_chunks'].endswith('2 model chunks)')
+    assert errors['fp8'] == (
+        'WarmupUnsupportedError: --warmup-train-steps cannot restore Transformer Engine FP8 '
+        "scaling state yet (fp8='hybrid')"
+    )
     assert errors['megatron_fsdp'] == (
         'WarmupUnsupportedError: --warmup-train-steps does not support --use-megatron-fsdp'
     )

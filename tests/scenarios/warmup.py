@@ -425,13 +425,19 @@ class _Injected(RuntimeError):
     pass
 
 
-def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1):
+def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False):
     """A warmup step raises mid-step: callbacks, hooks and all state are restored, then re-raised.
 
     Also checks that training after the failure matches training with no warmup, bitwise.
+    restore_fails=True also makes the DDP drain of the restore raise: the warmup step's exception
+    must still be the one raised, and the host-staged state must still be put back.
     """
     from megatron.core.distributed import finalize_model_grads
+    from megatron.training import warmup as warmup_module
     from megatron.training.warmup import run_warmup
+
+    def failing_drain(model):
+        raise RuntimeError('injected failure while draining collectives')
 
     init_parallel()
     results = {}
@@ -463,8 +469,14 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1):
                     raise _Injected('injected failure inside a warmup step')
                 return _forward_step(data_iterator, model)
 
+            drain = (
+                failing_drain if restore_fails else warmup_module.reset_ddp_grad_ready_calibration
+            )
             try:
-                with contextlib.redirect_stdout(io.StringIO()):
+                with (
+                    contextlib.redirect_stdout(io.StringIO()),
+                    _patched(warmup_module, 'reset_ddp_grad_ready_calibration', drain),
+                ):
                     run_warmup(
                         [trainer.model],
                         trainer.optimizer,
@@ -539,6 +551,7 @@ def scenario_bad_input(ctx):
         'pipeline': {'pipeline_model_parallel_size': 2},
         'virtual_pipeline': {'virtual_pipeline_model_parallel_size': 2},
         'megatron_fsdp': {'use_megatron_fsdp': True},
+        'fp8': {'fp8': 'hybrid'},
     }
     for name, overrides in cases.items():
         fake = types.SimpleNamespace(**{**vars(args), **overrides})

@@ -291,6 +291,9 @@ def commit(to=None, new=None, message_file=None):
     by_name = {v: k for k, v in _known_names().items()}
     if to not in by_name:
         raise ForkError(f"no queue commit for patch {to}; known: {', '.join(by_name)}", EXIT_USAGE)
-    target = pq("log", "--format=%H", "-F", "--grep", by_name[to], "base..HEAD").split()[0]
+    subjects = pq("log", "--format=%H %s", "base..HEAD").splitlines()
+    target = next(
+        line.split(" ", 1)[0] for line in subjects if line.split(" ", 1)[1] == by_name[to]
+    )
     pq("commit", "-q", f"--fixup={target}")
     pq("rebase", "-q", "-i", "--autosquash", "base", env={"GIT_SEQUENCE_EDITOR": "true"})

@@ -158,8 +158,7 @@ def load_series(patch_dir=PATCH_DIR):
 
 def gnu_patch(patch_path, tree, reverse=False, fuzz=0, dry_run=True):
     """Run GNU patch on ``tree`` and return (returncode, output)."""
-    cmd = ["patch", "-p1", "-f", f"--fuzz={fuzz}", "--no-backup-if-mismatch", "-r", "-", "-s"]
-    cmd = [c for c in cmd if c != "-s"]  # keep the per-hunk messages
+    cmd = ["patch", "-p1", "-f", f"--fuzz={fuzz}", "--no-backup-if-mismatch", "-r", "-"]
     if reverse:
         cmd.append("-R")
     if dry_run:

@@ -118,7 +118,7 @@ def am3_check(patches, git_repo, commit):
             )  # fmt: skip
             if proc.returncode != 0:
                 text = (proc.stdout + proc.stderr).strip()
-                if "No changes" in text or "already" in text:
+                if "No changes" in text or "Patch already applied" in text:
                     results[patch.name] = "already applied"
                 else:
                     results[patch.name] = "FAILED: " + text.splitlines()[0] if text else "FAILED"
