@@ -19,7 +19,7 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "tools"))
 
-from megatron_fork import manifest, queue, series, upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork import dist, manifest, queue, series, upstream  # noqa: E402  pylint: disable=C0413
 
 try:
     from pybind11.setup_helpers import Pybind11Extension
@@ -41,11 +41,24 @@ if not queue.is_current() and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
     )
 
 
+# The same requirements and extras as the upstream release the fork replaces, read from its
+# pinned wheel (the cache, or MEGATRON_FORK_WHEEL_DIR for offline builds).
+REQUIRES, EXTRAS = dist.upstream_requirements(
+    upstream.fetch_wheel(PIN, BASE, wheel_dir=os.environ.get("MEGATRON_FORK_WHEEL_DIR"), offline=True)
+)
+VERSION_LINE = (
+    "\n# Set by the fork's build: the installed distribution's version (never a surrounding\n"
+    "# repository's commit hash).\n__version__ = {!r}\n"
+)
+
+
 class BuildPyWithManifest(build_py):
-    """build_py that also writes megatron_fork/manifest.json describing what is installed."""
+    """build_py that pins ``__version__`` and writes megatron_fork/manifest.json."""
 
     def run(self):
         super().run()
+        info = Path(self.build_lib) / "megatron" / "core" / "package_info.py"
+        info.write_text(info.read_text() + VERSION_LINE.format(VERSION))
         data = manifest.build_manifest(self.build_lib, PIN, BASE, PATCHES, VERSION)
         out = Path(self.build_lib) / "megatron_fork" / manifest.MANIFEST_NAME
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -91,8 +104,7 @@ setup(
     package_data=package_data(),
     ext_modules=ext_modules,
     cmdclass={"build_py": BuildPyWithManifest},
-    # The same runtime requirements as upstream megatron-core 0.18.2.
-    install_requires=["torch>=2.6.0", "numpy", "packaging>=24.2"],
-    extras_require={"training": ["pyyaml", "einops~=0.8"]},
+    install_requires=REQUIRES,
+    extras_require=EXTRAS,
     entry_points={"console_scripts": ["megatron-fork-verify=megatron_fork.manifest:main_verify"]},
 )

@@ -6,6 +6,7 @@ there but no Makefile. Each arm copies a tree into the installed layout (no Make
 helper taken from the fork installed in this environment) and calls the real function.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from tests.harness.launcher import resolve_tree
 
+REPO = Path(__file__).resolve().parents[1]
 FORK = 'fork'
 PRISTINE = 'pristine-0.18.2'
 NO_MAKEFILE = 'No targets specified and no makefile found'
@@ -97,3 +99,48 @@ def test_installed_fork_has_helper_and_no_makefile():
     helper = _compiled_helper()
     assert helper.is_file()
     assert not (helper.parent / 'Makefile').exists()
+
+
+def _installed(code):
+    """Run ``code`` in this environment's installed fork, from inside this git repository."""
+    proc = subprocess.run(
+        [sys.executable, '-I', '-c', code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_version_is_the_distributions_inside_a_git_repo():
+    # Upstream appends `git rev-parse --short HEAD` of whatever repository surrounds the package;
+    # the drop-in reports its own version, also when imported from inside a clone.
+    out = _installed(
+        'import importlib.metadata as md, megatron.core as m;'
+        'print(m.__version__, md.version("megatron-core"), sep="\\n")'
+    )
+    version, dist_version = out.splitlines()[-2:]
+    assert version == dist_version
+    assert '+fork.' in version
+
+
+def _requirements(lines):
+    return sorted(line.split(':', 1)[1].strip() for line in lines if line.startswith('Requires-Dist:'))
+
+
+def test_requirements_and_extras_match_upstream():
+    out = _installed(
+        'import importlib.metadata as md, json, megatron_fork.manifest as mf;'
+        'meta = md.metadata("megatron-core");'
+        'print(json.dumps([meta.get_all("Provides-Extra"), meta.get_all("Requires-Dist"),'
+        ' json.loads(mf.installed_manifest().read_text())["base"]]))'
+    )
+    extras, requires, base = json.loads(out.splitlines()[-1])
+    sys.path.insert(0, str(REPO / 'tools'))
+    from megatron_fork import dist, upstream
+
+    pin = upstream.load_pin()
+    wheel = upstream.fetch_wheel(pin, base["name"], offline=True)
+    text = dist.wheel_metadata(wheel)
+    upstream_extras = [ln.split(':', 1)[1].strip() for ln in text.splitlines() if ln.startswith('Provides-Extra:')]
+    assert extras == upstream_extras
+    assert {'training', 'mlm', 'dev', 'lts', 'te', 'ssm'} <= set(extras)
+    assert sorted(requires) == _requirements(text.splitlines())
