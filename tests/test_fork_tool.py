@@ -1,7 +1,8 @@
 """Tests of tools/fork.py: bad input gives a clear error and loses nothing.
 
-Each test works in a sandbox copy of tools/ and patches/upstream.toml, with the real pinned
-megatron-core 0.18.2 wheel from the shared cache (fetched once per session).
+Each test works in a sandbox copy of tools/ and patches/upstream.toml whose only maintained base
+is 0.18.2 (series in patches/0.18.2/), with the real pinned megatron-core 0.18.2 wheel from the
+shared cache (fetched once per session).
 """
 
 import hashlib
@@ -17,6 +18,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "megatron/core/distributed/distributed_data_parallel_config.py"
+BASE = "0.18.2"
+
+
+def series_dir(sandbox):
+    """The sandbox's series directory (patches/0.18.2)."""
+    return sandbox / "patches" / BASE
 
 
 def run(sandbox, *args, env=None):
@@ -35,7 +42,9 @@ def run(sandbox, *args, env=None):
 def pinned_wheel():
     """The hash-verified 0.18.2 wheel in the cache (downloads it once if needed)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "fork.py"), "fetch"], capture_output=True, text=True
+        [sys.executable, str(REPO / "tools" / "fork.py"), "fetch", "--base", BASE],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     return Path(proc.stdout.split()[0])
@@ -46,9 +55,13 @@ def sandbox(tmp_path, pinned_wheel):
     """A copy of the tooling with an empty series, materialized once."""
     root = tmp_path / "repo"
     shutil.copytree(REPO / "tools", root / "tools", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "patches").mkdir()
-    shutil.copy(REPO / "patches" / "upstream.toml", root / "patches")
-    (root / "patches" / "series").write_text("")
+    (root / "patches" / BASE).mkdir(parents=True)
+    pin = (REPO / "patches" / "upstream.toml").read_text()
+    pin = re.sub(r'(?m)^primary = .*$', f'primary = "{BASE}"', pin)
+    pin = re.sub(r'(?m)^default = .*$', f'default = "{BASE}"', pin)
+    pin = re.sub(r'(?m)^maintained = .*$', f'maintained = ["{BASE}"]', pin)
+    (root / "patches" / "upstream.toml").write_text(pin)
+    (series_dir(root) / "series").write_text("")
     proc = run(root, "materialize")
     assert proc.returncode == 0, proc.stderr
     return root
@@ -77,12 +90,12 @@ def make_patch(sandbox, name, old, new, subject="test: change a default"):
         capture_output=True,
         text=True,
     ).stdout
-    (sandbox / "patches" / name).write_text(out)
+    (series_dir(sandbox) / name).write_text(out)
     return out
 
 
 def add_to_series(sandbox, *names):
-    with open(sandbox / "patches" / "series", "a") as f:
+    with open(series_dir(sandbox) / "series", "a") as f:
         f.write("".join(f"{n}\n" for n in names))
 
 
@@ -105,7 +118,7 @@ def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
     assert "overlap_grad_reduce: bool = True" in (sandbox / TARGET).read_text()
     # First export normalizes the hand-made patch; a second one changes no byte.
     assert run(sandbox, "export").returncode == 0
-    exported = sorted((sandbox / "patches").glob("*.patch"))
+    exported = sorted(series_dir(sandbox).glob("*.patch"))
     assert [p.name for p in exported] == ["0001-a.patch"]
     first = exported[0].read_bytes()
     assert (
@@ -134,13 +147,13 @@ def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
     assert target.read_text().endswith("# extra line\n")
     assert run(sandbox, "commit", "--to", "0001-a.patch").returncode == 0
     assert run(sandbox, "export").returncode == 0
-    assert "+# extra line" in (sandbox / "patches" / "0001-a.patch").read_text()
+    assert "+# extra line" in (series_dir(sandbox) / "0001-a.patch").read_text()
     assert run(sandbox, "check").returncode == 0
 
 
 def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
     before = tree_digest(sandbox)
-    (sandbox / "patches" / "0001-bad.patch").write_text("this is not a patch\n")
+    (series_dir(sandbox) / "0001-bad.patch").write_text("this is not a patch\n")
     add_to_series(sandbox, "0001-bad.patch")
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
@@ -155,7 +168,7 @@ def test_truncated_patch_is_refused(sandbox):
         "overlap_grad_reduce: bool = False",
         "overlap_grad_reduce: bool = True",
     )
-    (sandbox / "patches" / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
+    (series_dir(sandbox) / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
     proc = run(sandbox, "materialize")
@@ -180,7 +193,7 @@ def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sand
         "overlap_grad_reduce: bool = True",
     )
     # Offset: the hunk claims a position 7 lines off.
-    (sandbox / "patches" / "0001-a.patch").write_text(_shift_hunk(text, 7))
+    (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
     proc = run(sandbox, "materialize")
@@ -189,14 +202,14 @@ def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sand
     lines = text.split("\n")
     first_ctx = next(i for i, l in enumerate(lines) if l.startswith("@@")) + 1
     lines[first_ctx] = " # a context line that upstream does not have"
-    (sandbox / "patches" / "0001-a.patch").write_text("\n".join(lines))
+    (series_dir(sandbox) / "0001-a.patch").write_text("\n".join(lines))
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5 and "fuzz" in proc.stderr
     # Conflict: the changed line itself is different upstream.
     conflict = text.replace(
         "-    overlap_grad_reduce: bool = False", "-    overlap_grad_reduce: int = 3"
     )
-    (sandbox / "patches" / "0001-a.patch").write_text(conflict)
+    (series_dir(sandbox) / "0001-a.patch").write_text(conflict)
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
     assert re.search(
@@ -213,7 +226,7 @@ def test_series_entry_without_file_and_file_not_in_series(sandbox):
         and "0001-missing.patch" in proc.stderr
         and "does not exist" in proc.stderr
     )
-    (sandbox / "patches" / "series").write_text("")
+    (series_dir(sandbox) / "series").write_text("")
     make_patch(
         sandbox,
         "0002-stray.patch",
@@ -223,7 +236,7 @@ def test_series_entry_without_file_and_file_not_in_series(sandbox):
     proc = run(sandbox, "check")
     assert (
         proc.returncode == 1
-        and "patches/0002-stray.patch is not listed in patches/series" in proc.stderr
+        and "patches/0.18.2/0002-stray.patch is not listed in patches/0.18.2/series" in proc.stderr
     )
 
 
@@ -318,7 +331,7 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "use_distributed_optimizer: bool = True",
         subject="b",
     )
-    (sandbox / "patches" / "0002-off.patch").write_text(_shift_hunk(off, 9))
+    (series_dir(sandbox) / "0002-off.patch").write_text(_shift_hunk(off, 9))
     # "upstream": a patch whose result is what the base already has.
     (sandbox / TARGET).write_text(
         pristine.replace(
@@ -343,7 +356,7 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "check_for_large_grads: bool = True",
         subject="d",
     )
-    (sandbox / "patches" / "0004-conflict.patch").write_text(
+    (series_dir(sandbox) / "0004-conflict.patch").write_text(
         bad.replace(
             "-    check_for_large_grads: bool = False", "-    check_for_large_grads: str = 'x'"
         )
@@ -361,6 +374,10 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "0004-conflict.patch": "CONFLICT",
     }
     assert "0003-up.patch: found upstream in 0.18.2" in proc.stdout
+    # Offset and conflict details name patch, file and hunk.
+    assert re.search(
+        r"0002-off\.patch: file \S+_config\.py: hunk #1 at line \d+ \(offset -?9", proc.stdout
+    )
 
 
 def test_upstream_commit_trailer_is_verified_against_the_tree(tmp_path):
