@@ -410,3 +410,174 @@ def test_upstream_commit_trailer_is_verified_against_the_tree(tmp_path):
     assert contains_upstream_commit(patch, fixed, repo).startswith("contains upstream commit")
     assert contains_upstream_commit(patch, old, repo) is None
     assert contains_upstream_commit(patch, fixed, None) is None
+
+
+# Tool faults: every one gives its documented exit code and one line, and nothing is half done.
+
+
+def make_two_file_patch(sandbox, name):
+    """A format-patch (with diffstat) that changes TARGET and a second file."""
+    other = "megatron/core/distributed/__init__.py"
+    work = sandbox.parent / f"work2-{name}"
+    shutil.rmtree(work, ignore_errors=True)
+    for rel in (TARGET, other):
+        (work / Path(rel).parent).mkdir(parents=True, exist_ok=True)
+        shutil.copy(sandbox / rel, work / rel)
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    text = (work / TARGET).read_text()
+    (work / TARGET).write_text(text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1))
+    with open(work / other, "a") as f:
+        f.write("# a second file\n")
+    subprocess.run([*git, "commit", "-qam", "two files\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True)
+    out = subprocess.run(
+        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return out, other
+
+
+def test_patch_truncated_at_a_file_boundary_is_exit_5_naming_the_lost_file(sandbox):
+    text, other = make_two_file_patch(sandbox, "0001-two.patch")
+    sections = text.split("\ndiff --git ")
+    lost = next(i for i, sec in enumerate(sections) if sec.startswith(f"a/{other}"))
+    cut = "\ndiff --git ".join(s for i, s in enumerate(sections) if i != lost)
+    (series_dir(sandbox) / "0001-two.patch").write_text(cut)
+    add_to_series(sandbox, "0001-two.patch")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5, proc.stderr
+    assert "0001-two.patch" in proc.stderr and "incomplete diff" in proc.stderr
+    assert other in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert tree_digest(sandbox) == before
+
+
+def test_offset_and_fuzz_name_patch_file_and_hunk(sandbox):
+    text = make_patch(
+        sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True"
+    )
+    (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
+    add_to_series(sandbox, "0001-a.patch")
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert re.search(r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ \(offset -7 lines\)", proc.stderr)
+    lines = text.split("\n")
+    first_ctx = next(i for i, l in enumerate(lines) if l.startswith("@@")) + 1
+    lines[first_ctx] = " # a context line that upstream does not have"
+    (series_dir(sandbox) / "0001-a.patch").write_text("\n".join(lines))
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert re.search(r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ with fuzz \d", proc.stderr)
+
+
+FAULT = """
+import errno, os, shutil, sys
+sys.path.insert(0, "tools")
+from megatron_fork import cli
+kind = sys.argv[1]
+def fail(code, name):
+    def raiser(*a, **k):
+        raise OSError(code, os.strerror(code), name)
+    return raiser
+if kind == "exdev":
+    os.rename = fail(errno.EXDEV, "megatron")
+elif kind == "enospc":
+    shutil.copyfileobj = fail(errno.ENOSPC, "build/.materialize-x")
+elif kind == "rocache":
+    import tempfile
+    tempfile.TemporaryDirectory = fail(errno.EROFS, os.environ["MEGATRON_FORK_CACHE"])
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "kind,words",
+    [("exdev", "cross file systems"), ("enospc", "no space left"), ("rocache", "read-only")],
+)
+def test_io_faults_are_exit_9_with_one_line_and_tree_untouched(sandbox, tmp_path, kind, words):
+    before = tree_digest(sandbox)
+    env = {**os.environ}
+    args = ["materialize", "--force"]
+    if kind == "rocache":
+        env["MEGATRON_FORK_CACHE"] = str(tmp_path / "ro-cache")
+        (tmp_path / "ro-cache").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", FAULT, kind, *args], cwd=sandbox, capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 9, proc.stderr
+    assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert tree_digest(sandbox) == before
+    assert not list((sandbox / "build").glob(".materialize-*"))
+    assert not list((sandbox / "build").glob(".previous-*"))
+
+
+def test_corrupt_wheel_with_matching_hash_is_exit_9(sandbox, tmp_path):
+    name = "megatron_core-0.18.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    bad = tmp_path / "wheels" / name
+    bad.parent.mkdir()
+    bad.write_bytes(b"PK\x03\x04 this is not a whole zip archive")
+    digest = hashlib.sha256(bad.read_bytes()).hexdigest()
+    pin = sandbox / "patches" / "upstream.toml"
+    text = pin.read_text()
+    pin.write_text(text.replace("c2717b84079bf0bad1151525533a251870d1a86201f8c0702e0b5a6d6b5594f1", digest))
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize", "--force", "--wheel", str(bad))
+    assert proc.returncode == 9 and "corrupt archive" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert tree_digest(sandbox) == before
+
+
+def test_lock_keeps_two_runs_apart(sandbox):
+    import fcntl  # pylint: disable=import-outside-toplevel
+
+    with open(sandbox / "build" / ".materialize.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        proc = run(sandbox, "materialize", "--force", env={"MEGATRON_FORK_LOCK_WAIT": "1"})
+    assert proc.returncode == 7 and "holds" in proc.stderr, proc.stderr
+    assert run(sandbox, "materialize", "--force").returncode == 0
+
+
+@pytest.mark.parametrize("sig,code", [(2, 130), (15, 143)])
+def test_sigint_and_sigterm_leave_the_tree_and_no_temporary_folder(sandbox, sig, code):
+    make_patch(
+        sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True"
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    before = tree_digest(sandbox)
+    proc = subprocess.Popen(
+        [sys.executable, str(sandbox / "tools" / "fork.py"), "materialize", "--test-pause-after", "0"],
+        cwd=sandbox, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr.readline().strip() == "paused"
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == code and "left as it was" in err, err
+    assert tree_digest(sandbox) == before
+    assert not list((sandbox / "build").glob(".materialize-*"))
+
+
+def test_stale_temporary_folders_of_killed_runs_are_removed(sandbox):
+    stale = sandbox / "build" / ".materialize-killed"
+    (stale / "megatron").mkdir(parents=True)
+    (sandbox / "build" / ".previous-killed").mkdir()
+    assert run(sandbox, "materialize", "--force").returncode == 0
+    assert not stale.exists() and not (sandbox / "build" / ".previous-killed").exists()
+
+
+def test_offline_kit_fetch_dest_then_offline_materialize(sandbox, tmp_path):
+    kit = tmp_path / "whl"
+    proc = run(sandbox, "fetch", "--base", BASE, "--dest", str(kit))
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in kit.glob("*.whl")] == [
+        "megatron_core-0.18.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    ]
+    # The documented recipe (`fetch --wheel-dir DIR`) fills the folder as well.
+    kit2 = tmp_path / "whl2"
+    assert run(sandbox, "fetch", "--base", BASE, "--wheel-dir", str(kit2)).returncode == 0
+    assert len(list(kit2.glob("*.whl"))) == 1
+    env = {"MEGATRON_FORK_CACHE": str(tmp_path / "empty")}
+    proc = run(sandbox, "materialize", "--force", "--offline", "--wheel-dir", str(kit), env=env)
+    assert proc.returncode == 0, proc.stderr

@@ -63,10 +63,11 @@ def _source_for(args, pin, base, several=False):
 
 def cmd_fetch(args, pin):
     """Download (or find) and hash-verify the pinned wheels; with --dest, copy them there."""
+    dest = args.dest or args.wheel_dir  # --wheel-dir is filled when the wheel is not there yet
     for base in args.base or [pin["default"]]:
         path = upstream.fetch_wheel(pin, base, args.wheel, args.wheel_dir, args.offline)
-        if args.dest:
-            path = upstream.copy_wheel(path, args.dest)
+        if dest:
+            path = upstream.copy_wheel(path, dest)
         print(f"{path} (sha256 verified)")
 
 
@@ -94,9 +95,14 @@ def cmd_materialize(args, pin):
     if args.if_stale and queue_mod.is_current(ws, base):
         print(f"megatron/ is current (base {base}, materialized from patches/{base}; no edits)")
         return
-    hook = args.test_interrupt_after
     applied = queue_mod.materialize(
-        pin, base, ws=ws, force=args.force, interrupt_after=hook, **_source(args)
+        pin,
+        base,
+        ws=ws,
+        force=args.force,
+        interrupt_after=args.test_interrupt_after,
+        pause_after=args.test_pause_after,
+        **_source(args),
     )
     print(f"megatron/ = megatron-core {base} + {len(applied)} patches (patches/{base}/series)")
     for name in applied:
@@ -215,6 +221,7 @@ def build_parser():
     p.add_argument("--force", action="store_true", help="discard unexported work in megatron/")
     p.add_argument("--if-stale", action="store_true", help="do nothing if already current")
     p.add_argument("--test-interrupt-after", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--test-pause-after", type=int, default=None, help=argparse.SUPPRESS)
     _source_args(p)
     p.set_defaults(func=cmd_materialize)
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -263,7 +264,14 @@ def io_error(exc, what):
 
 
 def materialize(
-    pin, base_name, ws=DEFAULT, force=False, dest_tree=None, interrupt_after=None, **source
+    pin,
+    base_name,
+    ws=DEFAULT,
+    force=False,
+    dest_tree=None,
+    interrupt_after=None,
+    pause_after=None,
+    **source,
 ):
     """Build upstream + the base's series and swap it into megatron/ (or ``dest_tree``) atomically.
 
@@ -275,6 +283,7 @@ def materialize(
         dest_tree: build a tree without a queue at this directory instead: pristine upstream, or
             upstream + series when ``source['with_series']`` is set.
         interrupt_after: test hook: raise KeyboardInterrupt after this many patches.
+        pause_after: test hook: print "paused" and sleep after this many patches (for signals).
         **source: forwarded to :func:`upstream.obtain_tree` (wheel, wheel_dir, offline, ...).
 
     Returns:
@@ -301,7 +310,7 @@ def materialize(
             except OSError as exc:
                 raise io_error(exc, f"cannot write upstream {base_name} into {tmp}") from exc
             git_dir = tmp / ".pq"
-            names = _apply(base_name, patches, tmp, git_dir, origin, interrupt_after)
+            names = _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_after)
             try:
                 if dest_tree is not None:
                     _swap(ws, tmp / "megatron", Path(dest_tree) / "megatron")
@@ -321,7 +330,7 @@ def materialize(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after):
+def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_after=None):
     """Commit the upstream tree in ``tmp`` and apply each patch with zero fuzz/offset."""
     git(tmp, git_dir, "init", "-q")
     git(tmp, git_dir, "add", "-A", "-f", "--", "megatron", *PY_CACHE)
@@ -331,6 +340,9 @@ def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after):
     for count, patch in enumerate(patches):
         if interrupt_after is not None and count == interrupt_after:
             raise KeyboardInterrupt(f"test interrupt after {count} patches")
+        if pause_after is not None and count == pause_after:
+            print("paused", file=sys.stderr, flush=True)
+            time.sleep(120)
         outcome, detail = classify(patch, tmp)
         if outcome != CLEAN:
             raise ForkError(
@@ -365,6 +377,7 @@ def _swap(ws, new_tree, old_tree, new_git=None, old_git=None):
                 shutil.rmtree(old, ignore_errors=True)
             for saved, old in moved:
                 os.rename(saved, old)
+            shutil.rmtree(stash, ignore_errors=True)  # empty again: everything went back
             raise
     shutil.rmtree(stash, ignore_errors=True)
 
