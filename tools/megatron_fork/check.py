@@ -1,4 +1,4 @@
-"""``check``: a base's series is consistent, applies with zero fuzz/offset, and exports idempotently.
+"""``check``: a base's series is consistent, applies with zero fuzz/offset, exports idempotently.
 
 Nothing here touches the developer's ``megatron/``: the series is applied in a private workspace.
 """

@@ -147,10 +147,27 @@ def verify(manifest_path=None, do_import=False):
     return ok, report
 
 
+def verify_parser(prog="megatron-fork-verify"):
+    """The argument parser of verify (shared by ``megatron-fork-verify`` and ``fork.py verify``)."""
+    import argparse  # pylint: disable=import-outside-toplevel
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Check the installed megatron-core fork against the manifest it shipped: "
+        "every file's hash, the distribution version, test-only code, and which megatron.core "
+        "is imported (an upstream copy that shadows the fork is named). Exit 0 ok, 1 failed.",
+    )
+    parser.add_argument("--manifest", default=None, help="manifest to check (default: installed)")
+    parser.add_argument(
+        "--import", dest="imports", action="store_true", help="also import megatron.core/training"
+    )
+    return parser
+
+
 def main_verify(argv=None):
-    """Console entry point ``megatron-fork-verify``."""
-    args = sys.argv[1:] if argv is None else argv
-    ok, report = verify(do_import="--import" in args)
+    """Console entry point ``megatron-fork-verify`` (also ``python -m megatron_fork.manifest``)."""
+    args = verify_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    ok, report = verify(args.manifest, do_import=args.imports)
     sys.stdout.write("\n".join(report) + "\n")
     return 0 if ok else 1
 

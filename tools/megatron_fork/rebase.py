@@ -15,7 +15,6 @@ import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 from . import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, ForkError
 from . import queue as queue_mod
@@ -127,9 +126,7 @@ def start(pin, ws, base, onto, git_repo=None, name=None, source=None):
     if not upstream.is_git_base(pin, base):
         old_src.update(git_repo=None, rev=None)
     _commit_tree(
-        repo,
-        f"upstream: {base}",
-        lambda dest: upstream.obtain_tree(pin, base, dest, **old_src),
+        repo, f"upstream: {base}", lambda dest: upstream.obtain_tree(pin, base, dest, **old_src)
     )
     _git(repo, "tag", "old-base")
     for patch in old_patches:
@@ -229,15 +226,15 @@ def _conflict(ws, repo, entry):
             lines = []
         starts = [i + 1 for i, line in enumerate(lines) if line.startswith("<<<<<<< ")]
         for start in starts:
-            first = next(
-                (line.strip() for line in lines[start:] if line.strip()), "(empty)"
-            )
+            first = next((line.strip() for line in lines[start:] if line.strip()), "(empty)")
             parts.append(f"file {rel}: hunk at line {start}: {first[:80]!r}")
         if not starts:
             parts.append(f"file {rel}: conflict")
     if not parts:
-        parts.append("git am could not apply it: " + _git(repo, "am", "--show-current-patch=diff",
-                                                          check=False).stderr.strip()[:200])
+        parts.append(
+            "git am could not apply it: "
+            + _git(repo, "am", "--show-current-patch=diff", check=False).stderr.strip()[:200]
+        )
     return ForkError(
         f"rebase stopped: patch {entry} conflicts\n  "
         + "\n  ".join(parts)

@@ -223,7 +223,9 @@ def load_series(patch_dir):
     for name in read_series(patch_dir):
         path = Path(patch_dir) / name
         if not path.is_file():
-            raise ForkError(f"{patch_dir}/series lists {name}, but {path} does not exist", EXIT_USAGE)
+            raise ForkError(
+                f"{patch_dir}/series lists {name}, but {path} does not exist", EXIT_USAGE
+            )
         patches.append(parse_patch(path, name))
     return patches
 

@@ -129,9 +129,7 @@ class Result:
         lines = ["change".ljust(width) + "".join(
             f"  {c.label:>{w}}" for c, w in zip(self.columns, widths))]  # fmt: skip
         for row in self.rows:
-            cells = [
-                SYMBOL.get(c.cells.get(row, ("-", ""))[0], "-") for c in self.columns
-            ]
+            cells = [SYMBOL.get(c.cells.get(row, ("-", ""))[0], "-") for c in self.columns]
             lines.append(row.ljust(width) + "".join(
                 f"  {v:>{w}}" for v, w in zip(cells, widths)))  # fmt: skip
         series = ", ".join(f"{c.label}: patches/{c.series}/" for c in self.columns)
@@ -162,8 +160,11 @@ class Result:
                         "carries it: drop it there and record it in patches/changes.toml"
                     )
                 patch = self.patches.get(row)
-                if outcome == UPSTREAM and patch and not self.changes and (
-                    not patch.upstream_status.lower().startswith(("applied", "backport"))
+                if (
+                    outcome == UPSTREAM
+                    and patch
+                    and not self.changes
+                    and (not patch.upstream_status.lower().startswith(("applied", "backport")))
                 ):
                     warnings.append(
                         f"{patch.name}: found upstream in {c.label} but its Upstream-Status is "

@@ -217,7 +217,16 @@ def extract_git(repo, rev, dest):
     """Extract ``megatron/core`` and ``megatron/training`` of a local Megatron-LM checkout."""
     resolve_rev(repo, rev)
     archive = subprocess.run(
-        ["git", "-C", str(repo), "archive", "--format=tar", rev, "megatron/core", "megatron/training"],
+        [
+            "git",
+            "-C",
+            str(repo),
+            "archive",
+            "--format=tar",
+            rev,
+            "megatron/core",
+            "megatron/training",
+        ],
         capture_output=True,
     )
     if archive.returncode != 0:
