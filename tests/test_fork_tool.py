@@ -428,13 +428,19 @@ def make_two_file_patch(sandbox, name):
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "base"], check=True)
     text = (work / TARGET).read_text()
-    (work / TARGET).write_text(text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1))
+    (work / TARGET).write_text(
+        text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1)
+    )
     with open(work / other, "a") as f:
         f.write("# a second file\n")
-    subprocess.run([*git, "commit", "-qam", "two files\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True)
+    subprocess.run(
+        [*git, "commit", "-qam", "two files\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True
+    )
     out = subprocess.run(
         [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return out, other
 
@@ -456,20 +462,27 @@ def test_patch_truncated_at_a_file_boundary_is_exit_5_naming_the_lost_file(sandb
 
 def test_offset_and_fuzz_name_patch_file_and_hunk(sandbox):
     text = make_patch(
-        sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True"
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
     )
     (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
     add_to_series(sandbox, "0001-a.patch")
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
-    assert re.search(r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ \(offset -7 lines\)", proc.stderr)
+    assert re.search(
+        r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ \(offset -7 lines\)", proc.stderr
+    )
     lines = text.split("\n")
     first_ctx = next(i for i, l in enumerate(lines) if l.startswith("@@")) + 1
     lines[first_ctx] = " # a context line that upstream does not have"
     (series_dir(sandbox) / "0001-a.patch").write_text("\n".join(lines))
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
-    assert re.search(r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ with fuzz \d", proc.stderr)
+    assert re.search(
+        r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ with fuzz \d", proc.stderr
+    )
 
 
 FAULT = """
@@ -504,7 +517,11 @@ def test_io_faults_are_exit_9_with_one_line_and_tree_untouched(sandbox, tmp_path
         env["MEGATRON_FORK_CACHE"] = str(tmp_path / "ro-cache")
         (tmp_path / "ro-cache").mkdir()
     proc = subprocess.run(
-        [sys.executable, "-c", FAULT, kind, *args], cwd=sandbox, capture_output=True, text=True, env=env
+        [sys.executable, "-c", FAULT, kind, *args],
+        cwd=sandbox,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert proc.returncode == 9, proc.stderr
     assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -522,7 +539,9 @@ def test_corrupt_wheel_with_matching_hash_is_exit_9(sandbox, tmp_path):
     digest = hashlib.sha256(bad.read_bytes()).hexdigest()
     pin = sandbox / "patches" / "upstream.toml"
     text = pin.read_text()
-    pin.write_text(text.replace("c2717b84079bf0bad1151525533a251870d1a86201f8c0702e0b5a6d6b5594f1", digest))
+    pin.write_text(
+        text.replace("c2717b84079bf0bad1151525533a251870d1a86201f8c0702e0b5a6d6b5594f1", digest)
+    )
     before = tree_digest(sandbox)
     proc = run(sandbox, "materialize", "--force", "--wheel", str(bad))
     assert proc.returncode == 9 and "corrupt archive" in proc.stderr, proc.stderr
@@ -543,13 +562,24 @@ def test_lock_keeps_two_runs_apart(sandbox):
 @pytest.mark.parametrize("sig,code", [(2, 130), (15, 143)])
 def test_sigint_and_sigterm_leave_the_tree_and_no_temporary_folder(sandbox, sig, code):
     make_patch(
-        sandbox, "0001-a.patch", "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True"
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
     )
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
     proc = subprocess.Popen(
-        [sys.executable, str(sandbox / "tools" / "fork.py"), "materialize", "--test-pause-after", "0"],
-        cwd=sandbox, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            str(sandbox / "tools" / "fork.py"),
+            "materialize",
+            "--test-pause-after",
+            "0",
+        ],
+        cwd=sandbox,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stderr.readline().strip() == "paused"
     proc.send_signal(sig)
