@@ -611,3 +611,93 @@ def test_offline_kit_fetch_dest_then_offline_materialize(sandbox, tmp_path):
     env = {"MEGATRON_FORK_CACHE": str(tmp_path / "empty")}
     proc = run(sandbox, "materialize", "--force", "--offline", "--wheel-dir", str(kit), env=env)
     assert proc.returncode == 0, proc.stderr
+
+
+def _upstream_repo(sandbox, tmp_path, edit=None):
+    """A git repo whose HEAD is the sandbox's pristine 0.18.2 tree, optionally edited."""
+    repo = tmp_path / "Megatron-LM"
+    shutil.copytree(sandbox / "build" / "trees" / "pristine-0.18.2" / "megatron", repo / "megatron")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "upstream"], check=True)
+    if edit:
+        path = repo / TARGET
+        path.write_text(path.read_text().replace(*edit, 1))
+        subprocess.run([*git, "commit", "-qam", "upstream moves on"], check=True)
+    return repo
+
+
+def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    assert run(sandbox, "pristine", BASE).returncode == 0
+    # Upstream inserts lines above the patched one: the patch needs an offset there.
+    repo = _upstream_repo(
+        sandbox,
+        tmp_path,
+        edit=("class DistributedDataParallelConfig:", "class DistributedDataParallelConfig:\n\n\n"),
+    )
+    proc = run(
+        sandbox,
+        "rebase",
+        "--base",
+        BASE,
+        "--onto",
+        "HEAD",
+        "--git-repo",
+        str(repo),
+        "--name",
+        "next",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kept    0001-a.patch" in proc.stdout and "git range-diff" in proc.stdout
+    assert (series_dir(sandbox).parent / "next" / "series").read_text() == "0001-a.patch\n"
+    assert not (sandbox / "build" / "rebase").exists()
+
+
+def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_nothing(
+    sandbox, tmp_path
+):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    assert run(sandbox, "pristine", BASE).returncode == 0
+    repo = _upstream_repo(
+        sandbox,
+        tmp_path,
+        edit=("overlap_grad_reduce: bool = False", "overlap_grad_reduce: int = 0"),
+    )
+    before = (series_dir(sandbox) / "0001-a.patch").read_text()
+    proc = run(
+        sandbox,
+        "rebase",
+        "--base",
+        BASE,
+        "--onto",
+        "HEAD",
+        "--git-repo",
+        str(repo),
+        "--name",
+        "next",
+    )
+    assert proc.returncode == 8, proc.stderr
+    assert re.search(
+        r"patch 0001-a\.patch conflicts\n  file \S+_config\.py: hunk at line \d+", proc.stderr
+    )
+    # A second rebase refuses while one is in progress; --abort removes it; nothing was written.
+    proc = run(sandbox, "rebase", "--base", BASE, "--onto", "HEAD", "--git-repo", str(repo))
+    assert proc.returncode == 2 and "in progress" in proc.stderr
+    assert run(sandbox, "rebase", "--abort").returncode == 0
+    assert not (sandbox / "build" / "rebase").exists()
+    assert not (series_dir(sandbox).parent / "next").exists()
+    assert (series_dir(sandbox) / "0001-a.patch").read_text() == before
