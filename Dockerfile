@@ -6,7 +6,7 @@
 #   docker build --target rocm -t megatron-fork:rocm .
 #
 # Both targets keep the base image's torch and run the same installer as the README and CI:
-#   tools/install.sh --no-venv --no-torch [--wheel-dir DIR --offline]
+#   tools/install.sh --python python3 --no-venv --no-torch [--wheel-dir DIR --offline]
 # Offline build: put the hash-pinned upstream wheel (megatron-core 0.18.2, see
 # patches/upstream.toml) into .whl/ in the build context, e.g. with
 #   python tools/fork.py fetch --wheel-dir .whl
@@ -55,11 +55,11 @@ WORKDIR /opt/megatron-fork
 COPY . /opt/megatron-fork
 # Same installer as everywhere else; --no-torch keeps the NGC torch (and TE/apex built against it).
 RUN if [ "${OFFLINE}" = 1 ]; then \
-        bash tools/install.sh --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}" --offline; \
+        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}" --offline; \
     elif [ -d "${UPSTREAM_WHEEL_DIR}" ]; then \
-        bash tools/install.sh --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}"; \
+        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}"; \
     else \
-        bash tools/install.sh --no-venv --no-torch; \
+        bash tools/install.sh --python python3 --no-venv --no-torch; \
     fi
 # Smoke: the installed fork matches its manifest, and both packages import from site-packages
 # (python -P keeps the working directory, whose megatron/ could shadow the install, off sys.path).
@@ -79,11 +79,11 @@ RUN python -m pip install --no-deps --no-index /tmp/te-wheels/*.whl \
 WORKDIR /opt/megatron-fork
 COPY . /opt/megatron-fork
 RUN if [ "${OFFLINE}" = 1 ]; then \
-        bash tools/install.sh --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}" --offline; \
+        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}" --offline; \
     elif [ -d "${UPSTREAM_WHEEL_DIR}" ]; then \
-        bash tools/install.sh --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}"; \
+        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}"; \
     else \
-        bash tools/install.sh --no-venv --no-torch; \
+        bash tools/install.sh --python python3 --no-venv --no-torch; \
     fi
 RUN python tools/fork.py verify \
     && python -P -c "import megatron.core, megatron.training; print(megatron.core.__file__)"

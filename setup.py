@@ -1,7 +1,10 @@
-"""Build the fork as the distribution ``megatron-core`` at version ``<base>+fork.<N>``.
+"""Build the fork as the distribution ``megatron-core`` at ``<base>+fork.<N>.g<digest8>``.
 
-The sources are the materialized tree ``megatron/`` (pinned upstream + ``patches/series``), which
-``tools/fork.py materialize`` creates; this script materializes it when it is missing. The dataset
+N counts the carried patches and digest8 is the first 8 hex digits of the series digest (entries
+and bytes), so the label changes whenever the carried series changes. A dev build appends
+``.dev.<commit8>``. The sources are the materialized tree ``megatron/`` (pinned upstream +
+``patches/<base>/series``), which ``tools/fork.py materialize`` creates; this script materializes
+it when it is missing (base: $MEGATRON_FORK_BASE, else the pin's default). The dataset
 helper ``helpers.cpp`` is compiled for the running Python. The package ``megatron_fork`` (our
 tooling) ships alongside, with a manifest of the base, its hashes and the applied patches, so that
 ``megatron-fork verify`` can check an installation.
@@ -27,13 +30,21 @@ except ImportError:  # building metadata only
     Pybind11Extension = None
 
 PIN = upstream.load_pin()
-BASE = PIN["primary"]["name"]
-PATCHES = series.load_series()
-VERSION = f"{PIN['bases'][BASE]['version']}+fork.{len(PATCHES)}"
+WS = queue.Workspace(HERE)
+if not WS.tree.exists():
+    BASE = os.environ.get("MEGATRON_FORK_BASE") or PIN["default"]
+    subprocess.run(
+        [sys.executable, str(HERE / "tools" / "fork.py"), "materialize", "--base", BASE], check=True
+    )
+BASE = WS.base()
+PATCHES = series.load_series(WS.patch_dir(BASE))
+VERSION = (
+    f"{PIN['bases'][BASE]['version']}+fork.{len(PATCHES)}.g{series.series_digest(PATCHES)[:8]}"
+)
+if "commit" in PIN["bases"][BASE]:
+    VERSION += f".dev.{PIN['bases'][BASE]['commit'][:8]}"
 
-if not queue.TREE.exists():
-    subprocess.run([sys.executable, str(HERE / "tools" / "fork.py"), "materialize"], check=True)
-if not queue.is_current() and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
+if not queue.is_current(WS) and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
     sys.exit(
         "megatron/ does not match patches/ (edits not exported, or patches changed since it was "
         "materialized). Run `tools/fork.py export` or `tools/fork.py materialize`; set "
@@ -42,9 +53,13 @@ if not queue.is_current() and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
 
 
 # The same requirements and extras as the upstream release the fork replaces, read from its
-# pinned wheel (the cache, or MEGATRON_FORK_WHEEL_DIR for offline builds).
-REQUIRES, EXTRAS = dist.upstream_requirements(
-    upstream.fetch_wheel(PIN, BASE, wheel_dir=os.environ.get("MEGATRON_FORK_WHEEL_DIR"), offline=True)
+# pinned wheel (the cache, or MEGATRON_FORK_WHEEL_DIR) or, for dev, the pinned commit's
+# pyproject.toml (MEGATRON_FORK_GIT_REPO); tools/install.sh sets both.
+REQUIRES, EXTRAS = dist.requirements_for(
+    PIN,
+    BASE,
+    wheel_dir=os.environ.get("MEGATRON_FORK_WHEEL_DIR"),
+    git_repo=os.environ.get("MEGATRON_FORK_GIT_REPO"),
 )
 VERSION_LINE = (
     "\n# Set by the fork's build: the installed distribution's version (never a surrounding\n"
@@ -93,7 +108,7 @@ if Pybind11Extension is not None:
 setup(
     name="megatron-core",
     version=VERSION,
-    description="megatron-core with the fork's distributed-training fixes (see patches/series)",
+    description="megatron-core with the fork's distributed-training fixes (see patches/<base>/)",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache 2.0",

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tests.harness import launcher, registry  # noqa: E402
+from tests.harness import bases, launcher, registry  # noqa: E402
 
 
 @pytest.fixture(scope='session')
@@ -30,4 +30,7 @@ def harness_backend():
 
 
 def pytest_report_header(config):
-    return f'harness backend: {launcher.backend()} (FORK_TEST_BACKEND)'
+    return (
+        f'harness backend: {launcher.backend()} (FORK_TEST_BACKEND); base: {bases.BASE} '
+        f'(FORK_TEST_BASE; fork = {bases.FORK!r}, pristine = {bases.PRISTINE!r})'
+    )

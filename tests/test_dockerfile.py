@@ -81,7 +81,7 @@ def test_both_vendor_targets_exist():
 @pytest.mark.parametrize('target', ['cuda', 'rocm'])
 def test_target_runs_shared_installer_and_smoke(target):
     runs = ' '.join(arg for word, arg in stages()[target] if word == 'RUN')
-    assert 'tools/install.sh --no-venv --no-torch' in runs
+    assert 'tools/install.sh --python python3 --no-venv --no-torch' in runs
     assert '--offline' in runs and 'UPSTREAM_WHEEL_DIR' in runs
     assert 'python tools/fork.py verify' in runs
     assert re.search(r'import megatron\.core, megatron\.training', runs)

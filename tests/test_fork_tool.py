@@ -1,7 +1,8 @@
 """Tests of tools/fork.py: bad input gives a clear error and loses nothing.
 
-Each test works in a sandbox copy of tools/ and patches/upstream.toml, with the real pinned
-megatron-core 0.18.2 wheel from the shared cache (fetched once per session).
+Each test works in a sandbox copy of tools/ and patches/upstream.toml whose only maintained base
+is 0.18.2 (series in patches/0.18.2/), with the real pinned megatron-core 0.18.2 wheel from the
+shared cache (fetched once per session).
 """
 
 import hashlib
@@ -17,6 +18,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "megatron/core/distributed/distributed_data_parallel_config.py"
+BASE = "0.18.2"
+
+
+def series_dir(sandbox):
+    """The sandbox's series directory (patches/0.18.2)."""
+    return sandbox / "patches" / BASE
 
 
 def run(sandbox, *args, env=None):
@@ -35,7 +42,9 @@ def run(sandbox, *args, env=None):
 def pinned_wheel():
     """The hash-verified 0.18.2 wheel in the cache (downloads it once if needed)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "fork.py"), "fetch"], capture_output=True, text=True
+        [sys.executable, str(REPO / "tools" / "fork.py"), "fetch", "--base", BASE],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     return Path(proc.stdout.split()[0])
@@ -46,9 +55,13 @@ def sandbox(tmp_path, pinned_wheel):
     """A copy of the tooling with an empty series, materialized once."""
     root = tmp_path / "repo"
     shutil.copytree(REPO / "tools", root / "tools", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "patches").mkdir()
-    shutil.copy(REPO / "patches" / "upstream.toml", root / "patches")
-    (root / "patches" / "series").write_text("")
+    (root / "patches" / BASE).mkdir(parents=True)
+    pin = (REPO / "patches" / "upstream.toml").read_text()
+    pin = re.sub(r'(?m)^primary = .*$', f'primary = "{BASE}"', pin)
+    pin = re.sub(r'(?m)^default = .*$', f'default = "{BASE}"', pin)
+    pin = re.sub(r'(?m)^maintained = .*$', f'maintained = ["{BASE}"]', pin)
+    (root / "patches" / "upstream.toml").write_text(pin)
+    (series_dir(root) / "series").write_text("")
     proc = run(root, "materialize")
     assert proc.returncode == 0, proc.stderr
     return root
@@ -77,12 +90,12 @@ def make_patch(sandbox, name, old, new, subject="test: change a default"):
         capture_output=True,
         text=True,
     ).stdout
-    (sandbox / "patches" / name).write_text(out)
+    (series_dir(sandbox) / name).write_text(out)
     return out
 
 
 def add_to_series(sandbox, *names):
-    with open(sandbox / "patches" / "series", "a") as f:
+    with open(series_dir(sandbox) / "series", "a") as f:
         f.write("".join(f"{n}\n" for n in names))
 
 
@@ -105,7 +118,7 @@ def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
     assert "overlap_grad_reduce: bool = True" in (sandbox / TARGET).read_text()
     # First export normalizes the hand-made patch; a second one changes no byte.
     assert run(sandbox, "export").returncode == 0
-    exported = sorted((sandbox / "patches").glob("*.patch"))
+    exported = sorted(series_dir(sandbox).glob("*.patch"))
     assert [p.name for p in exported] == ["0001-a.patch"]
     first = exported[0].read_bytes()
     assert (
@@ -134,13 +147,13 @@ def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
     assert target.read_text().endswith("# extra line\n")
     assert run(sandbox, "commit", "--to", "0001-a.patch").returncode == 0
     assert run(sandbox, "export").returncode == 0
-    assert "+# extra line" in (sandbox / "patches" / "0001-a.patch").read_text()
+    assert "+# extra line" in (series_dir(sandbox) / "0001-a.patch").read_text()
     assert run(sandbox, "check").returncode == 0
 
 
 def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
     before = tree_digest(sandbox)
-    (sandbox / "patches" / "0001-bad.patch").write_text("this is not a patch\n")
+    (series_dir(sandbox) / "0001-bad.patch").write_text("this is not a patch\n")
     add_to_series(sandbox, "0001-bad.patch")
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
@@ -155,7 +168,7 @@ def test_truncated_patch_is_refused(sandbox):
         "overlap_grad_reduce: bool = False",
         "overlap_grad_reduce: bool = True",
     )
-    (sandbox / "patches" / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
+    (series_dir(sandbox) / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
     proc = run(sandbox, "materialize")
@@ -180,7 +193,7 @@ def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sand
         "overlap_grad_reduce: bool = True",
     )
     # Offset: the hunk claims a position 7 lines off.
-    (sandbox / "patches" / "0001-a.patch").write_text(_shift_hunk(text, 7))
+    (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
     proc = run(sandbox, "materialize")
@@ -189,14 +202,14 @@ def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sand
     lines = text.split("\n")
     first_ctx = next(i for i, l in enumerate(lines) if l.startswith("@@")) + 1
     lines[first_ctx] = " # a context line that upstream does not have"
-    (sandbox / "patches" / "0001-a.patch").write_text("\n".join(lines))
+    (series_dir(sandbox) / "0001-a.patch").write_text("\n".join(lines))
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5 and "fuzz" in proc.stderr
     # Conflict: the changed line itself is different upstream.
     conflict = text.replace(
         "-    overlap_grad_reduce: bool = False", "-    overlap_grad_reduce: int = 3"
     )
-    (sandbox / "patches" / "0001-a.patch").write_text(conflict)
+    (series_dir(sandbox) / "0001-a.patch").write_text(conflict)
     proc = run(sandbox, "materialize")
     assert proc.returncode == 5
     assert re.search(
@@ -213,7 +226,7 @@ def test_series_entry_without_file_and_file_not_in_series(sandbox):
         and "0001-missing.patch" in proc.stderr
         and "does not exist" in proc.stderr
     )
-    (sandbox / "patches" / "series").write_text("")
+    (series_dir(sandbox) / "series").write_text("")
     make_patch(
         sandbox,
         "0002-stray.patch",
@@ -223,7 +236,7 @@ def test_series_entry_without_file_and_file_not_in_series(sandbox):
     proc = run(sandbox, "check")
     assert (
         proc.returncode == 1
-        and "patches/0002-stray.patch is not listed in patches/series" in proc.stderr
+        and "patches/0.18.2/0002-stray.patch is not listed in patches/0.18.2/series" in proc.stderr
     )
 
 
@@ -318,7 +331,7 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "use_distributed_optimizer: bool = True",
         subject="b",
     )
-    (sandbox / "patches" / "0002-off.patch").write_text(_shift_hunk(off, 9))
+    (series_dir(sandbox) / "0002-off.patch").write_text(_shift_hunk(off, 9))
     # "upstream": a patch whose result is what the base already has.
     (sandbox / TARGET).write_text(
         pristine.replace(
@@ -343,7 +356,7 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "check_for_large_grads: bool = True",
         subject="d",
     )
-    (sandbox / "patches" / "0004-conflict.patch").write_text(
+    (series_dir(sandbox) / "0004-conflict.patch").write_text(
         bad.replace(
             "-    check_for_large_grads: bool = False", "-    check_for_large_grads: str = 'x'"
         )
@@ -361,6 +374,10 @@ def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
         "0004-conflict.patch": "CONFLICT",
     }
     assert "0003-up.patch: found upstream in 0.18.2" in proc.stdout
+    # Offset and conflict details name patch, file and hunk.
+    assert re.search(
+        r"0002-off\.patch: file \S+_config\.py: hunk #1 at line \d+ \(offset -?9", proc.stdout
+    )
 
 
 def test_upstream_commit_trailer_is_verified_against_the_tree(tmp_path):
@@ -393,3 +410,294 @@ def test_upstream_commit_trailer_is_verified_against_the_tree(tmp_path):
     assert contains_upstream_commit(patch, fixed, repo).startswith("contains upstream commit")
     assert contains_upstream_commit(patch, old, repo) is None
     assert contains_upstream_commit(patch, fixed, None) is None
+
+
+# Tool faults: every one gives its documented exit code and one line, and nothing is half done.
+
+
+def make_two_file_patch(sandbox, name):
+    """A format-patch (with diffstat) that changes TARGET and a second file."""
+    other = "megatron/core/distributed/__init__.py"
+    work = sandbox.parent / f"work2-{name}"
+    shutil.rmtree(work, ignore_errors=True)
+    for rel in (TARGET, other):
+        (work / Path(rel).parent).mkdir(parents=True, exist_ok=True)
+        shutil.copy(sandbox / rel, work / rel)
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    text = (work / TARGET).read_text()
+    (work / TARGET).write_text(
+        text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1)
+    )
+    with open(work / other, "a") as f:
+        f.write("# a second file\n")
+    subprocess.run(
+        [*git, "commit", "-qam", "two files\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True
+    )
+    out = subprocess.run(
+        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return out, other
+
+
+def test_patch_truncated_at_a_file_boundary_is_exit_5_naming_the_lost_file(sandbox):
+    text, other = make_two_file_patch(sandbox, "0001-two.patch")
+    sections = text.split("\ndiff --git ")
+    lost = next(i for i, sec in enumerate(sections) if sec.startswith(f"a/{other}"))
+    cut = "\ndiff --git ".join(s for i, s in enumerate(sections) if i != lost)
+    (series_dir(sandbox) / "0001-two.patch").write_text(cut)
+    add_to_series(sandbox, "0001-two.patch")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5, proc.stderr
+    assert "0001-two.patch" in proc.stderr and "incomplete diff" in proc.stderr
+    assert other in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert tree_digest(sandbox) == before
+
+
+def test_offset_and_fuzz_name_patch_file_and_hunk(sandbox):
+    text = make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
+    add_to_series(sandbox, "0001-a.patch")
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert re.search(
+        r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ \(offset -7 lines\)", proc.stderr
+    )
+    lines = text.split("\n")
+    first_ctx = next(i for i, l in enumerate(lines) if l.startswith("@@")) + 1
+    lines[first_ctx] = " # a context line that upstream does not have"
+    (series_dir(sandbox) / "0001-a.patch").write_text("\n".join(lines))
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert re.search(
+        r"0001-a\.patch: file \S+_config\.py: hunk #1 at line \d+ with fuzz \d", proc.stderr
+    )
+
+
+FAULT = """
+import errno, os, shutil, sys
+sys.path.insert(0, "tools")
+from megatron_fork import cli
+kind = sys.argv[1]
+def fail(code, name):
+    def raiser(*a, **k):
+        raise OSError(code, os.strerror(code), name)
+    return raiser
+if kind == "exdev":
+    os.rename = fail(errno.EXDEV, "megatron")
+elif kind == "enospc":
+    shutil.copyfileobj = fail(errno.ENOSPC, "build/.materialize-x")
+elif kind == "rocache":
+    import tempfile
+    tempfile.TemporaryDirectory = fail(errno.EROFS, os.environ["MEGATRON_FORK_CACHE"])
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "kind,words",
+    [("exdev", "cross file systems"), ("enospc", "no space left"), ("rocache", "read-only")],
+)
+def test_io_faults_are_exit_9_with_one_line_and_tree_untouched(sandbox, tmp_path, kind, words):
+    before = tree_digest(sandbox)
+    env = {**os.environ}
+    args = ["materialize", "--force"]
+    if kind == "rocache":
+        env["MEGATRON_FORK_CACHE"] = str(tmp_path / "ro-cache")
+        (tmp_path / "ro-cache").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", FAULT, kind, *args],
+        cwd=sandbox,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 9, proc.stderr
+    assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert tree_digest(sandbox) == before
+    assert not list((sandbox / "build").glob(".materialize-*"))
+    assert not list((sandbox / "build").glob(".previous-*"))
+
+
+def test_corrupt_wheel_with_matching_hash_is_exit_9(sandbox, tmp_path):
+    name = "megatron_core-0.18.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    bad = tmp_path / "wheels" / name
+    bad.parent.mkdir()
+    bad.write_bytes(b"PK\x03\x04 this is not a whole zip archive")
+    digest = hashlib.sha256(bad.read_bytes()).hexdigest()
+    pin = sandbox / "patches" / "upstream.toml"
+    text = pin.read_text()
+    pin.write_text(
+        text.replace("c2717b84079bf0bad1151525533a251870d1a86201f8c0702e0b5a6d6b5594f1", digest)
+    )
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize", "--force", "--wheel", str(bad))
+    assert proc.returncode == 9 and "corrupt archive" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert tree_digest(sandbox) == before
+
+
+def test_lock_keeps_two_runs_apart(sandbox):
+    import fcntl  # pylint: disable=import-outside-toplevel
+
+    with open(sandbox / "build" / ".materialize.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        proc = run(sandbox, "materialize", "--force", env={"MEGATRON_FORK_LOCK_WAIT": "1"})
+    assert proc.returncode == 7 and "holds" in proc.stderr, proc.stderr
+    assert run(sandbox, "materialize", "--force").returncode == 0
+
+
+@pytest.mark.parametrize("sig,code", [(2, 130), (15, 143)])
+def test_sigint_and_sigterm_leave_the_tree_and_no_temporary_folder(sandbox, sig, code):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    before = tree_digest(sandbox)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(sandbox / "tools" / "fork.py"),
+            "materialize",
+            "--test-pause-after",
+            "0",
+        ],
+        cwd=sandbox,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr.readline().strip() == "paused"
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == code and "left as it was" in err, err
+    assert tree_digest(sandbox) == before
+    assert not list((sandbox / "build").glob(".materialize-*"))
+
+
+def test_stale_temporary_folders_of_killed_runs_are_removed(sandbox):
+    stale = sandbox / "build" / ".materialize-killed"
+    (stale / "megatron").mkdir(parents=True)
+    (sandbox / "build" / ".previous-killed").mkdir()
+    assert run(sandbox, "materialize", "--force").returncode == 0
+    assert not stale.exists() and not (sandbox / "build" / ".previous-killed").exists()
+
+
+def test_offline_kit_fetch_dest_then_offline_materialize(sandbox, tmp_path):
+    kit = tmp_path / "whl"
+    proc = run(sandbox, "fetch", "--base", BASE, "--dest", str(kit))
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in kit.glob("*.whl")] == [
+        "megatron_core-0.18.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    ]
+    # The documented recipe (`fetch --wheel-dir DIR`) fills the folder as well.
+    kit2 = tmp_path / "whl2"
+    assert run(sandbox, "fetch", "--base", BASE, "--wheel-dir", str(kit2)).returncode == 0
+    assert len(list(kit2.glob("*.whl"))) == 1
+    env = {"MEGATRON_FORK_CACHE": str(tmp_path / "empty")}
+    proc = run(sandbox, "materialize", "--force", "--offline", "--wheel-dir", str(kit), env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _upstream_repo(sandbox, tmp_path, edit=None):
+    """A git repo whose HEAD is the sandbox's pristine 0.18.2 tree, optionally edited."""
+    repo = tmp_path / "Megatron-LM"
+    shutil.copytree(sandbox / "build" / "trees" / "pristine-0.18.2" / "megatron", repo / "megatron")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "upstream"], check=True)
+    if edit:
+        path = repo / TARGET
+        path.write_text(path.read_text().replace(*edit, 1))
+        subprocess.run([*git, "commit", "-qam", "upstream moves on"], check=True)
+    return repo
+
+
+def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    assert run(sandbox, "pristine", BASE).returncode == 0
+    # Upstream inserts lines above the patched one: the patch needs an offset there.
+    repo = _upstream_repo(
+        sandbox,
+        tmp_path,
+        edit=("class DistributedDataParallelConfig:", "class DistributedDataParallelConfig:\n\n\n"),
+    )
+    proc = run(
+        sandbox,
+        "rebase",
+        "--base",
+        BASE,
+        "--onto",
+        "HEAD",
+        "--git-repo",
+        str(repo),
+        "--name",
+        "next",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kept    0001-a.patch" in proc.stdout and "git range-diff" in proc.stdout
+    assert (series_dir(sandbox).parent / "next" / "series").read_text() == "0001-a.patch\n"
+    assert not (sandbox / "build" / "rebase").exists()
+
+
+def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_nothing(
+    sandbox, tmp_path
+):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    assert run(sandbox, "pristine", BASE).returncode == 0
+    repo = _upstream_repo(
+        sandbox,
+        tmp_path,
+        edit=("overlap_grad_reduce: bool = False", "overlap_grad_reduce: int = 0"),
+    )
+    before = (series_dir(sandbox) / "0001-a.patch").read_text()
+    proc = run(
+        sandbox,
+        "rebase",
+        "--base",
+        BASE,
+        "--onto",
+        "HEAD",
+        "--git-repo",
+        str(repo),
+        "--name",
+        "next",
+    )
+    assert proc.returncode == 8, proc.stderr
+    assert re.search(
+        r"patch 0001-a\.patch conflicts\n  file \S+_config\.py: hunk at line \d+", proc.stderr
+    )
+    # A second rebase refuses while one is in progress; --abort removes it; nothing was written.
+    proc = run(sandbox, "rebase", "--base", BASE, "--onto", "HEAD", "--git-repo", str(repo))
+    assert proc.returncode == 2 and "in progress" in proc.stderr
+    assert run(sandbox, "rebase", "--abort").returncode == 0
+    assert not (sandbox / "build" / "rebase").exists()
+    assert not (series_dir(sandbox).parent / "next").exists()
+    assert (series_dir(sandbox) / "0001-a.patch").read_text() == before

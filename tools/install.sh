@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # The one install script of the fork, shared by the README, CI and both container targets.
 #
-#   tools/install.sh [--python PY] [--venv DIR | --no-venv] [--wheel-dir DIR] [--offline]
-#                    [--no-torch] [--test-deps]
+#   tools/install.sh [--base B] [--git-repo R] [--python PY] [--venv DIR | --no-venv]
+#                    [--wheel-dir DIR] [--offline] [--no-torch] [--test-deps]
 #
+#   --base B         the upstream base: a release (0.19.2, 0.18.2; default: the newest, as
+#                    patches/upstream.toml `default` says) or dev (needs --git-repo)
+#   --git-repo R     a Megatron-LM clone that has the pinned dev commit (for --base dev)
 #   --python PY      interpreter to use (default: pyenv 3.12.1 if present, else python3.12)
 #   --venv DIR       create/reuse a virtual environment there (default: .venv)
-#   --no-venv        install into PY's own environment (containers)
+#   --no-venv        install into the active environment (VIRTUAL_ENV/CONDA_PREFIX) or --python
+#                    PY's own (containers); refused when neither is given
 #   --wheel-dir DIR  directory with the pre-downloaded, hash-pinned upstream wheel
 #   --offline        no network: upstream from --wheel-dir or the cache; build deps must be present
 #   --no-torch       never install or reinstall torch (containers keep the image's torch)
 #   --test-deps      also install tools/requirements-test.txt (the CPU test suite)
 #
-# It materializes megatron/ (pinned megatron-core + patches/series) unless it is already
-# current, pip-installs the repo as megatron-core <base>+fork.<N>, and runs `verify --import`.
+# It materializes megatron/ (pinned upstream + patches/<base>/series) unless it is already
+# current, pip-installs the repo as megatron-core <base>+fork.<N>.g<series digest>, and runs
+# `verify --import`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-py="" venv=".venv" wheel_dir="" offline=0 torch=1 test_deps=0
+py="" venv=".venv" wheel_dir="" offline=0 torch=1 test_deps=0 base="" git_repo=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    --base) base="$2"; shift 2 ;;
+    --git-repo) git_repo="$2"; shift 2 ;;
     --python) py="$2"; shift 2 ;;
     --venv) venv="$2"; shift 2 ;;
     --no-venv) venv=""; shift ;;
@@ -27,11 +34,23 @@ while [ $# -gt 0 ]; do
     --offline) offline=1; shift ;;
     --no-torch) torch=0; shift ;;
     --test-deps) test_deps=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
+if [ -z "$py" ] && [ -z "$venv" ]; then
+  # --no-venv installs into an environment someone chose, never silently into the global one.
+  if [ -n "${VIRTUAL_ENV:-}" ]; then
+    py="$VIRTUAL_ENV/bin/python"
+  elif [ -n "${CONDA_PREFIX:-}" ]; then
+    py="$CONDA_PREFIX/bin/python"
+  else
+    echo "install.sh: --no-venv needs an active environment (VIRTUAL_ENV or CONDA_PREFIX) or" \
+      "--python PY naming the interpreter to install into" >&2
+    exit 2
+  fi
+fi
 if [ -z "$py" ]; then
   if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -qx 3.12.1; then
     py="env PYENV_VERSION=3.12.1 python3.12"
@@ -64,14 +83,20 @@ if [ "$test_deps" = 1 ]; then
   "${pip[@]}" -r tools/requirements-test.txt
 fi
 
-src=()
+if [ -z "$base" ]; then
+  base=$($py -c 'import tomllib; print(tomllib.load(open("patches/upstream.toml", "rb"))["default"])')
+fi
+src=(--base "$base")
 [ -n "$wheel_dir" ] && src+=(--wheel-dir "$wheel_dir")
 [ "$offline" = 1 ] && src+=(--offline)
-echo "==> materializing megatron/ (pinned upstream + patches/series)"
+[ -n "$git_repo" ] && src+=(--git-repo "$git_repo")
+echo "==> materializing megatron/ (pinned upstream $base + patches/$base/series)"
 $py tools/fork.py materialize --if-stale "${src[@]}"
 
 echo "==> installing the fork (no torch reinstall, no build isolation)"
-"${pip[@]}" --no-deps --no-build-isolation .
+# setup.py copies upstream's requirements and extras from the pinned wheel or commit.
+MEGATRON_FORK_WHEEL_DIR="$wheel_dir" MEGATRON_FORK_GIT_REPO="$git_repo" \
+  "${pip[@]}" --no-deps --no-build-isolation .
 "${pip[@]}" pyyaml "einops~=0.8"
 
 echo "==> verify"

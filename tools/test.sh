@@ -1,16 +1,54 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv from nothing (tools/install.sh) and run the CPU suite.
-#   tools/test.sh [pytest args...]
-# Exit status: pytest's, except that "no tests collected" (pytest's 5) is a failure with a message.
+#   tools/test.sh                  CI plan: the whole suite on the default base (the newest
+#                                  release), then the counterfactual files on every other
+#                                  maintained release, then (if FORK_TEST_DEV_REPO names a
+#                                  Megatron-LM checkout) the counterfactual files on dev
+#   tools/test.sh [pytest args...] only pytest with these args, on FORK_TEST_BASE (default: the
+#                                  default base)
+# Exit status: pytest's (the first failing run's), except that "no tests collected" (pytest's 5)
+# is a failure with a message.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tools/install.sh --test-deps || exit $?
+py=.venv/bin/python
+default=$($py -c 'import tomllib; print(tomllib.load(open("patches/upstream.toml", "rb"))["default"])')
+releases=$($py -c 'import tomllib; p = tomllib.load(open("patches/upstream.toml", "rb"))
+print(" ".join(b for b in p["maintained"] if "commit" not in p["bases"][b]))')
+# The counterfactual files: each arm runs the real upstream code of the selected base.
+counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_expert_grad_stats.py
+  tests/test_ddp_training.py)
+
+run() {  # run BASE pytest-args...: one pytest run on one base, with its wall time
+  local base=$1 t0 rc
+  shift
+  t0=$(date +%s)
+  echo "==> base $base: pytest $*"
+  FORK_TEST_BASE="$base" $py -m pytest -q -ra -p no:cacheprovider "$@"
+  rc=$?
+  echo "base $base wall time: $(( $(date +%s) - t0 )) s"
+  if [ "$rc" = 5 ]; then
+    echo "tools/test.sh: pytest collected no tests on base $base; that is a failure here" >&2
+    rc=1
+  fi
+  return "$rc"
+}
+
 start=$(date +%s)
-.venv/bin/python -m pytest tests -q -ra -p no:cacheprovider "$@"
-rc=$?
-echo "CPU suite wall time: $(( $(date +%s) - start )) s"
-if [ "$rc" = 5 ]; then
-  echo "tools/test.sh: pytest collected no tests; that is a failure here" >&2
-  exit 1
+status=0
+if [ $# -gt 0 ]; then
+  run "${FORK_TEST_BASE:-$default}" "$@" || status=$?
+else
+  run "$default" tests || status=$?
+  for base in $releases; do
+    [ "$base" = "$default" ] && continue
+    run "$base" "${counterfactual[@]}" || { rc=$?; [ "$status" = 0 ] && status=$rc; }
+  done
+  if [ -n "${FORK_TEST_DEV_REPO:-}" ]; then
+    run dev "${counterfactual[@]}" || { rc=$?; [ "$status" = 0 ] && status=$rc; }
+  else
+    echo "(dev tier skipped: set FORK_TEST_DEV_REPO to a Megatron-LM checkout to run it)"
+  fi
 fi
-exit "$rc"
+echo "CPU suite wall time: $(( $(date +%s) - start )) s"
+exit "$status"

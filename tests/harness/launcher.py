@@ -43,33 +43,58 @@ def gpu_count():
 
 
 def resolve_tree(tree):
-    """Map a tree label ('fork', 'pristine-<ver>') or an absolute path to a directory.
+    """Map a tree label or an absolute path to a directory.
 
-    Missing trees are materialized with tools/fork.py when it exists.
+    Labels: 'fork' (the fork on the base selected by FORK_TEST_BASE, see tests/harness/bases.py),
+    'fork-<base>' (the fork on that base), 'pristine-<base>' (upstream without patches) and
+    'pristine' (the selected base's). Missing or stale trees are built with tools/fork.py.
 
     Args:
-        tree: 'fork', 'pristine-<version>' or an absolute directory containing megatron/.
+        tree: a label above or an absolute directory containing megatron/.
 
     Returns:
         (label, absolute path of the directory that contains megatron/).
     """
+    from tests.harness import bases  # pylint: disable=import-outside-toplevel
+
     if os.path.isabs(tree):
         path, label = tree, tree
-    elif tree == 'fork':
-        path, label = REPO, 'fork'
-        if not os.path.isdir(os.path.join(REPO, 'megatron')):
-            _fork_tool('materialize')
-    elif tree.startswith('pristine-'):
-        path, label = os.path.join(REPO, 'build', 'trees', tree), tree
+    elif tree == 'fork' or tree.startswith('fork-'):
+        base = bases.BASE if tree == 'fork' else tree[len('fork-') :]
+        label, path = tree, _fork_tree(bases, base)
+    elif tree == 'pristine' or tree.startswith('pristine-'):
+        base = bases.BASE if tree == 'pristine' else tree[len('pristine-') :]
+        label = f'pristine-{base}'
+        path = os.path.join(REPO, 'build', 'trees', label)
         if not os.path.isdir(os.path.join(path, 'megatron')):
-            _fork_tool('pristine', tree[len('pristine-') :])
+            extra = bases.source_args(base) if base in bases.PIN['bases'] else []
+            _fork_tool('pristine', base, *extra)
     else:
         raise HarnessError(
-            f"unknown tree {tree!r}: use 'fork', 'pristine-<ver>' or an absolute path"
+            f"unknown tree {tree!r}: use 'fork', 'fork-<base>', 'pristine-<base>' or an "
+            'absolute path'
         )
     if not os.path.isdir(os.path.join(path, 'megatron')):
         raise HarnessError(f'tree {tree!r}: {path} does not contain megatron/')
     return label, path
+
+
+def _fork_tree(bases, base):
+    """The repo root when megatron/ is built from ``base``, else build/trees/fork-<base>."""
+    if base == bases.working_tree_base():
+        return REPO
+    if not os.path.isdir(os.path.join(REPO, 'megatron')) and base == bases.PIN['default']:
+        _fork_tool('materialize', '--base', base, *bases.source_args(base))
+        return REPO
+    path = os.path.join(REPO, 'build', 'trees', f'fork-{base}')
+    stamp = os.path.join(path, '.series-sha256')
+    digest = bases.series_digest(base)
+    current = open(stamp).read().strip() if os.path.isfile(stamp) else None
+    if current != digest or not os.path.isdir(os.path.join(path, 'megatron')):
+        _fork_tool('materialize', '--base', base, '--dest', path, *bases.source_args(base))
+        with open(stamp, 'w') as f:
+            f.write(digest + '\n')
+    return path
 
 
 def _fork_tool(*args):

@@ -7,7 +7,7 @@
 # pinned upstream wheel (~/.cache/megatron-fork); MLM_DIR: pretrain_gpt.py, gpt_builders.py and
 # model_provider.py from the Megatron-LM tag of the base (git archive, never committed);
 # DEP_WHEEL_DIR: einops/pyyaml wheels for machines without an index. Each wheel goes into its own
-# venv (--system-site-packages, so the machine's torch is used) outside the repository, so nothing
+# venv (the running python3's site-packages are appended, so the machine's torch is used) outside the repository, so nothing
 # imports the materialized tree. Arms: pristine (expected to exit 1 in compile_helpers), fork
 # without warmup, fork with --warmup-train-steps 2 (both install paths). Logs go to $OUT (or
 # build/drop-in-logs); the losses are printed per iteration.
@@ -19,7 +19,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 install() {  # install VENV WHEEL
-  python3 -m venv --system-site-packages "$1"
+  python3 -m venv "$1"
+  # The machine's torch may itself live in a venv: make its site-packages visible (after ours).
+  python3 -c 'import site; print(site.getsitepackages()[0])' \
+    >"$("$1/bin/python" -c 'import site; print(site.getsitepackages()[0])')/machine-site.pth"
   "$1/bin/pip" install -q --no-deps --disable-pip-version-check "$2" ${deps:+"$deps"/*.whl} ||
     "$1/bin/pip" install -q --disable-pip-version-check "$2" einops pyyaml
 }

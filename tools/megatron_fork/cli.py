@@ -6,24 +6,28 @@ Exit codes:
     2  usage error or bad input file (series, pin, unknown base)
     3  a wheel's sha256 does not match the pin
     4  upstream could not be obtained (offline without cache, missing checkout)
-    5  a patch did not apply with zero fuzz and zero offset (patch, file and hunk are printed)
+    5  a patch did not apply with zero fuzz and zero offset, or is incomplete (patch, file and
+       hunk are printed)
     6  megatron/ holds unexported work; nothing was changed
+    7  another run holds the workspace lock (build/.materialize.lock)
+    8  rebase stopped at a conflict (patch, file and hunk printed); resolve, then --continue
+    9  I/O fault (no space, read-only, permission, cross-device rename, corrupt archive)
+  130  interrupted by SIGINT; 143 terminated by SIGTERM (the tree is left as it was)
 """
 
 import argparse
 import json
+import signal
 import sys
-import tempfile
 from pathlib import Path
 
-from . import EXIT_FAILED, EXIT_OK, ForkError
+from . import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, ForkError
+from . import check as check_mod
 from . import manifest as manifest_mod
 from . import queue as queue_mod
-from . import series as series_mod
+from . import rebase as rebase_mod
 from . import status as status_mod
 from . import upstream
-
-DEFAULT_STATUS_BASES = ("0.17.1", "0.18.2", "0.19.2", "dev")
 
 
 def _source_args(p):
@@ -44,41 +48,72 @@ def _source(args):
     }
 
 
+def _default_base(args, pin, ws):
+    """--base, else the base megatron/ was built on, else the pin's default (newest release)."""
+    return args.base or ws.base() or pin["default"]
+
+
+def _source_for(args, pin, base, several=False):
+    """The upstream source of ``base``: a checkout is used for git bases, or when asked alone."""
+    source = _source(args)
+    if several and not upstream.is_git_base(pin, base):
+        source.update(git_repo=None, rev=None)
+    return source
+
+
 def cmd_fetch(args, pin):
-    """Download (or find) and hash-verify the pinned wheel."""
-    path = upstream.fetch_wheel(pin, args.base, args.wheel, args.wheel_dir, args.offline)
-    print(f"{path} (sha256 verified)")
+    """Download (or find) and hash-verify the pinned wheels; with --dest, copy them there."""
+    dest = args.dest or args.wheel_dir  # --wheel-dir is filled when the wheel is not there yet
+    for base in args.base or [pin["default"]]:
+        path = upstream.fetch_wheel(pin, base, args.wheel, args.wheel_dir, args.offline)
+        if dest:
+            path = upstream.copy_wheel(path, dest)
+        print(f"{path} (sha256 verified)")
 
 
 def cmd_pristine(args, pin):
     """Materialize a pristine base (no patches) under build/trees/pristine-<base>."""
-    dest = Path(args.dest) if args.dest else queue_mod.BUILD / "trees" / f"pristine-{args.base}"
+    ws = queue_mod.DEFAULT
+    dest = Path(args.dest) if args.dest else ws.build / "trees" / f"pristine-{args.base}"
     if (dest / "megatron").exists() and not args.force:
         print(f"{dest} exists")
         return
-    queue_mod.materialize(pin, args.base, dest_tree=dest, **_source(args))
+    queue_mod.materialize(pin, args.base, ws=ws, dest_tree=dest, **_source(args))
     print(f"pristine megatron-core {args.base} at {dest}")
 
 
 def cmd_materialize(args, pin):
-    """Build megatron/ = upstream + series, atomically."""
-    if args.if_stale and queue_mod.is_current():
-        print("megatron/ is current (materialized from patches/ as they are; no edits)")
+    """Build megatron/ = upstream + the base's series, atomically."""
+    ws = queue_mod.DEFAULT
+    base = _default_base(args, pin, ws)
+    if args.dest:
+        applied = queue_mod.materialize(
+            pin, base, ws=ws, dest_tree=Path(args.dest), with_series=True, **_source(args)
+        )
+        print(f"{args.dest}/megatron = megatron-core {base} + {len(applied)} patches (no queue)")
         return
-    hook = args.test_interrupt_after
+    if args.if_stale and queue_mod.is_current(ws, base):
+        print(f"megatron/ is current (base {base}, materialized from patches/{base}; no edits)")
+        return
     applied = queue_mod.materialize(
-        pin, args.base, force=args.force, interrupt_after=hook, **_source(args)
+        pin,
+        base,
+        ws=ws,
+        force=args.force,
+        interrupt_after=args.test_interrupt_after,
+        pause_after=args.test_pause_after,
+        **_source(args),
     )
-    print(f"megatron/ = megatron-core {args.base} + {len(applied)} patches")
+    print(f"megatron/ = megatron-core {base} + {len(applied)} patches (patches/{base}/series)")
     for name in applied:
         print(f"  applied {name}")
 
 
 def cmd_export(args, pin):
-    """Regenerate patches/ from the queue's commits."""
-    written, removed = queue_mod.export()
+    """Regenerate patches/<base>/ from the queue's commits."""
+    written, removed = queue_mod.export(queue_mod.DEFAULT)
     if not written and not removed:
-        print("patches/ is up to date (no byte changed)")
+        print(f"patches/{queue_mod.DEFAULT.base()}/ is up to date (no byte changed)")
     for name in written:
         print(f"  wrote {name}")
     for name in removed:
@@ -87,64 +122,63 @@ def cmd_export(args, pin):
 
 def cmd_commit(args, pin):
     """Record edits in megatron/ into a queue commit."""
-    queue_mod.commit(to=args.to, new=args.new, message_file=args.message_file)
+    queue_mod.commit(queue_mod.DEFAULT, to=args.to, new=args.new, message_file=args.message_file)
     print("committed; run `tools/fork.py export` to write patches/")
 
 
 def cmd_check(args, pin):
-    """Series and files 1:1, the series applies cleanly, and export is idempotent."""
-    failures = []
-    missing, extra = series_mod.series_mismatch()
-    failures += [f"patches/series lists {n}, which does not exist" for n in missing]
-    failures += [f"patches/{n} is not listed in patches/series" for n in extra]
-    if not missing:
-        patches = series_mod.load_series()
-        for patch in patches:
-            for req in patch.requires:
-                names = [p.name for p in patches]
-                if req not in names or names.index(req) > names.index(patch.name):
-                    failures.append(f"{patch.name} requires {req}, which is not earlier in series")
-            if not patch.upstream_status:
-                failures.append(f"{patch.name} has no Upstream-Status trailer")
-    if failures:
-        raise ForkError("check failed:\n  " + "\n  ".join(failures), EXIT_FAILED)
-    with tempfile.TemporaryDirectory(prefix="fork-check-") as tmp:
-        # Apply into a private queue so the developer's megatron/ is never touched.
-        saved = (queue_mod.TREE, queue_mod.PQ)
-        queue_mod.TREE, queue_mod.PQ = Path(tmp) / "megatron", Path(tmp) / ".pq"
-        try:
-            queue_mod.materialize(pin, pin["primary"]["name"], force=True, **_source(args))
-            rendered = queue_mod.render_patches()
-        finally:
-            queue_mod.TREE, queue_mod.PQ = saved
-    drift = [n for n, t in rendered.items() if (series_mod.PATCH_DIR / n).read_text() != t]
-    if list(rendered) != series_mod.read_series():
-        drift.append("series")
-    if drift:
-        raise ForkError(
-            "check failed: export is not idempotent for "
-            + ", ".join(drift)
-            + " (run materialize + export and commit the result)",
-            EXIT_FAILED,
-        )
-    print(f"check: OK ({len(rendered)} patches apply with zero fuzz/offset; export idempotent)")
+    """Each base's series: consistent metadata, clean apply, idempotent export."""
+    bases = args.base or list(pin["maintained"])
+    skipped = []
+    for base in bases:
+        if base not in pin["maintained"]:
+            raise ForkError(f"{base} is not a maintained base ({', '.join(pin['maintained'])})", 2)
+        if upstream.is_git_base(pin, base) and not args.git_repo:
+            if args.base:
+                raise ForkError(f"check --base {base} needs --git-repo PATH-TO-Megatron-LM", 4)
+            skipped.append(base)
+            continue
+        source = _source_for(args, pin, base, several=len(bases) > 1)
+        print(check_mod.check_base(pin, base, queue_mod.DEFAULT, source), flush=True)
+    for base in skipped:
+        print(f"check {base}: skipped (pass --git-repo PATH-TO-Megatron-LM to check it)")
 
 
 def cmd_status(args, pin):
-    """Print the patch x base matrix."""
-    names = args.base or list(DEFAULT_STATUS_BASES)
+    """Print the change x base matrix."""
+    names = args.base or ([] if args.rev else list(status_mod.DEFAULT_BASES))
     source = {"wheel_dir": args.wheel_dir, "offline": args.offline}
-    patches, matrix, am3 = status_mod.status(pin, names, args.git_repo, args.am3, source)
-    print(status_mod.render(patches, matrix, am3))
-    if "dev" in names and not args.git_repo:
-        print("\n(dev skipped: pass --git-repo PATH-TO-Megatron-LM to check the cherry-pick base)")
-    warnings = status_mod.metadata_warnings(patches, matrix)
+    result = status_mod.status(
+        pin, names, args.rev or [], args.git_repo, args.am3, source, args.series
+    )
+    print(result.render())
+    if result.skipped:
+        print(
+            f"\n({', '.join(result.skipped)} skipped: pass --git-repo PATH-TO-Megatron-LM to "
+            "check git bases and refs)"
+        )
+    warnings = result.metadata_warnings()
     if warnings:
         print("\nmetadata:\n  " + "\n  ".join(warnings))
     if args.json:
-        data = {c: {p: {"outcome": o, "detail": d} for p, (o, d) in cells.items()}
-                for c, cells in matrix.items()}  # fmt: skip
-        Path(args.json).write_text(json.dumps({"matrix": data, "am3": am3}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(result.as_json(), indent=2) + "\n")
+
+
+def cmd_rebase(args, pin):
+    """Carry a base's series onto a new upstream with git, patch by patch."""
+    if args.abort:
+        print(rebase_mod.abort(queue_mod.DEFAULT))
+        return
+    if args.cont:
+        print(rebase_mod.cont(pin, queue_mod.DEFAULT))
+        return
+    if not args.base or not args.onto:
+        raise ForkError("rebase needs --base B --onto TARGET (or --continue / --abort)", 2)
+    print(
+        rebase_mod.start(
+            pin, queue_mod.DEFAULT, args.base, args.onto, args.git_repo, args.name, _source(args)
+        )
+    )
 
 
 def cmd_verify(args, pin):
@@ -166,8 +200,9 @@ def build_parser():
     parser.add_argument("--pin", default=str(upstream.PIN_FILE), help="the upstream pin file")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fetch", help="download/verify the pinned wheel into the cache")
-    p.add_argument("--base", default=None)
+    p = sub.add_parser("fetch", help="download/verify pinned wheels into the cache (or --dest)")
+    p.add_argument("--base", action="append", help="a wheel base (repeatable; default: default)")
+    p.add_argument("--dest", help="also copy the verified wheels into this folder (offline kit)")
     p.add_argument("--wheel")
     p.add_argument("--wheel-dir")
     p.add_argument("--offline", action="store_true")
@@ -180,11 +215,13 @@ def build_parser():
     _source_args(p)
     p.set_defaults(func=cmd_pristine)
 
-    p = sub.add_parser("materialize", help="megatron/ = upstream + patches/series (atomic)")
-    p.add_argument("--base", default=None)
+    p = sub.add_parser("materialize", help="megatron/ = upstream + patches/<base>/series (atomic)")
+    p.add_argument("--base", help="the base (default: megatron/'s base, else the pin's default)")
+    p.add_argument("--dest", help="build upstream + series at DEST/megatron, without a queue")
     p.add_argument("--force", action="store_true", help="discard unexported work in megatron/")
     p.add_argument("--if-stale", action="store_true", help="do nothing if already current")
     p.add_argument("--test-interrupt-after", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--test-pause-after", type=int, default=None, help=argparse.SUPPRESS)
     _source_args(p)
     p.set_defaults(func=cmd_materialize)
 
@@ -197,18 +234,30 @@ def build_parser():
     p.add_argument("--message-file", help="body of the new patch's message")
     p.set_defaults(func=cmd_commit)
 
-    p = sub.add_parser("check", help="series<->files, clean apply, idempotent export")
+    p = sub.add_parser("check", help="series<->files, clean apply, idempotent export, per base")
+    p.add_argument("--base", action="append", help="a maintained base (repeatable; default: all)")
     _source_args(p)
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("status", help="matrix of every patch against every base")
-    p.add_argument("--base", action="append", help="a base (repeatable); default: all")
-    p.add_argument("--git-repo", help="local Megatron-LM clone for the git bases (dev)")
-    p.add_argument("--am3", action="store_true", help="also try `git am -3` on the dev commit")
+    p = sub.add_parser("status", help="matrix of every change against every base or ref")
+    p.add_argument("--base", action="append", help="a pinned base (repeatable); default: all")
+    p.add_argument("--rev", action="append", help="any ref of --git-repo (repeatable)")
+    p.add_argument("--series", help="the maintained series to try on --rev refs (default: dev)")
+    p.add_argument("--git-repo", help="local Megatron-LM clone for git bases and --rev refs")
+    p.add_argument("--am3", action="store_true", help="also try `git am -3` on each git column")
     p.add_argument("--wheel-dir")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--json", help="also write the matrix as JSON to this file")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("rebase", help="carry a base's series onto a new upstream (git)")
+    p.add_argument("--base", help="the maintained base whose series is carried")
+    p.add_argument("--onto", help="a release version of the pin, or a git ref of --git-repo")
+    p.add_argument("--name", help="the base name to write (default: the version or ref)")
+    p.add_argument("--continue", dest="cont", action="store_true", help="after resolving")
+    p.add_argument("--abort", action="store_true", help="drop the rebase in progress")
+    _source_args(p)
+    p.set_defaults(func=cmd_rebase)
 
     p = sub.add_parser("verify", help="check the installed fork against its manifest")
     p.add_argument("--manifest", default=None)
@@ -223,17 +272,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         pin = upstream.load_pin(args.pin) if args.command != "verify" else None
-        if pin is not None and getattr(args, "base", None) is None and args.command in (
-            "fetch", "materialize",
-        ):  # fmt: skip
-            args.base = pin["primary"]["name"]
         args.func(args, pin)
     except ForkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
-    except KeyboardInterrupt as exc:
-        print(f"interrupted: {exc}; megatron/ was left as it was", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, queue_mod.Interrupted) as exc:
+        code = EXIT_SIGTERM if getattr(exc, "signum", None) == signal.SIGTERM else EXIT_SIGINT
+        print(f"interrupted ({exc}); megatron/ was left as it was", file=sys.stderr)
+        return code
+    except OSError as exc:
+        err = queue_mod.io_error(exc, f"tools/fork.py {args.command}")
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
     return EXIT_OK
 
 

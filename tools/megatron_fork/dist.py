@@ -8,11 +8,12 @@ upstream's release declares, so the fork copies them from the pinned upstream it
 
 import email.parser
 import re
+import subprocess
 import tomllib
 import zipfile
 from pathlib import Path
 
-from . import ForkError, EXIT_UNAVAILABLE
+from . import EXIT_UNAVAILABLE, ForkError, upstream
 
 _EXTRA = re.compile(r"""^(?P<req>.*?)\s*;\s*(?:(?P<marker>.*?)\s+and\s+)?extra\s*==\s*['"](?P<extra>[^'"]+)['"]\s*$""")
 
@@ -65,3 +66,38 @@ def upstream_requirements(wheel_path):
     if not Path(wheel_path).is_file():
         raise ForkError(f"upstream wheel {wheel_path} is not available", EXIT_UNAVAILABLE)
     return from_metadata(wheel_metadata(wheel_path))
+
+
+def requirements_for(pin, base, wheel_dir=None, git_repo=None):
+    """(install_requires, extras_require) of pinned upstream ``base``.
+
+    Args:
+        pin: the loaded pin.
+        base: a base name of the pin.
+        wheel_dir: a folder with the pinned wheel (offline builds); the cache is always searched.
+        git_repo: for a git base (dev), a Megatron-LM checkout that has the pinned commit; its
+            ``pyproject.toml`` at that commit declares the requirements.
+    """
+    entry = pin["bases"][base]
+    if "commit" not in entry:
+        return upstream_requirements(
+            upstream.fetch_wheel(pin, base, wheel_dir=wheel_dir, offline=True)
+        )
+    if not git_repo:
+        raise ForkError(
+            f"base {base} is a Megatron-LM commit: name the checkout with MEGATRON_FORK_GIT_REPO "
+            "(tools/install.sh --git-repo sets it)",
+            EXIT_UNAVAILABLE,
+        )
+    proc = subprocess.run(
+        ["git", "-C", str(git_repo), "show", f"{entry['commit']}:pyproject.toml"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise ForkError(
+            f"cannot read pyproject.toml at {entry['commit']} from {git_repo}: "
+            f"{proc.stderr.strip()}",
+            EXIT_UNAVAILABLE,
+        )
+    return from_pyproject(proc.stdout)

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .series import series_digest
 from .upstream import sha256_file
 
 MANIFEST_NAME = "manifest.json"
@@ -36,11 +37,13 @@ def build_manifest(lib_root, pin, base_name, patches, fork_version):
         "version": fork_version,
         "base": {
             "name": base_name,
-            "wheel": base["wheel"],
-            "sha256": base["sha256"],
+            "wheel": base.get("wheel"),
+            "sha256": base.get("sha256"),
+            "commit": base.get("commit"),
             "py_tree_sha256": base["py_tree_sha256"],
         },
-        "cherry_pick_target": pin.get("git_bases", {}).get("dev", {}).get("commit"),
+        "series_sha256": series_digest(patches),
+        "cherry_pick_target": pin["bases"].get(pin.get("primary"), {}).get("commit"),
         "patches": [
             {
                 "name": p.name,
@@ -121,9 +124,14 @@ def verify(manifest_path=None, do_import=False):
     if bad:
         ok = False
         report += bad[:20] + ([f"... and {len(bad) - 20} more"] if len(bad) > 20 else [])
+    base = manifest["base"]
+    origin = (
+        f"{base['wheel']}, sha256 {base['sha256'][:16]}..."
+        if base.get("wheel")
+        else f"Megatron-LM commit {str(base.get('commit'))[:12]}"
+    )
     report.append(
-        f"base megatron-core {manifest['base']['name']} ({manifest['base']['wheel']}, sha256 "
-        f"{manifest['base']['sha256'][:16]}...), {len(manifest['files'])} files checked, "
+        f"base megatron-core {base['name']} ({origin}), {len(manifest['files'])} files checked, "
         f"{len(manifest['patches'])} patches: " + ", ".join(p["name"] for p in manifest["patches"])
     )
     if do_import:
@@ -139,10 +147,27 @@ def verify(manifest_path=None, do_import=False):
     return ok, report
 
 
+def verify_parser(prog="megatron-fork-verify"):
+    """The argument parser of verify (shared by ``megatron-fork-verify`` and ``fork.py verify``)."""
+    import argparse  # pylint: disable=import-outside-toplevel
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Check the installed megatron-core fork against the manifest it shipped: "
+        "every file's hash, the distribution version, test-only code, and which megatron.core "
+        "is imported (an upstream copy that shadows the fork is named). Exit 0 ok, 1 failed.",
+    )
+    parser.add_argument("--manifest", default=None, help="manifest to check (default: installed)")
+    parser.add_argument(
+        "--import", dest="imports", action="store_true", help="also import megatron.core/training"
+    )
+    return parser
+
+
 def main_verify(argv=None):
-    """Console entry point ``megatron-fork-verify``."""
-    args = sys.argv[1:] if argv is None else argv
-    ok, report = verify(do_import="--import" in args)
+    """Console entry point ``megatron-fork-verify`` (also ``python -m megatron_fork.manifest``)."""
+    args = verify_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    ok, report = verify(args.manifest, do_import=args.imports)
     sys.stdout.write("\n".join(report) + "\n")
     return 0 if ok else 1
 

@@ -1,25 +1,34 @@
 """The materialized tree (megatron/) as a patch queue: one git commit per patch in .pq/.
 
-``materialize`` builds upstream + series in a temporary directory and swaps it in only when every
-patch applied. ``export`` turns the queue's commits back into patches/, deterministically.
+``materialize`` builds upstream + a base's series in a temporary directory and swaps it in only
+when every patch applied. ``export`` turns the queue's commits back into ``patches/<base>/``,
+deterministically. Every location comes from a :class:`Workspace`, never from module globals.
 """
 
+import contextlib
+import errno
 import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import EXIT_APPLY, EXIT_DIRTY, EXIT_USAGE, ForkError
-from .series import CLEAN, PATCH_DIR, classify, load_series
+from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError
+from .series import CLEAN, GROUPS, classify, load_series, read_series, series_dir
 from .upstream import REPO, obtain_tree
 
-TREE = REPO / "megatron"
-PQ = REPO / ".pq"
-BUILD = REPO / "build"
-NAMES_FILE = "fork-patch-names"  # inside the queue's git dir: subject -> patch file name
+NAMES_FILE = "fork-patch-names"  # inside the queue's git dir: subject -> series entry
+APPLIED_FILE = "fork-applied"  # inside the queue's git dir: the patch texts materialize applied
+BASE_FILE = "fork-base"  # inside the queue's git dir: the base megatron/ was built on
+LOCK_FILE = ".materialize.lock"
+LOCK_WAIT_S = float(os.environ.get("MEGATRON_FORK_LOCK_WAIT", 600))
+TEMP_PREFIXES = (".materialize-", ".previous-")
 
 # Fixed identity and configuration so that materialize and export never depend on the user's git.
 GIT_ENV = {
@@ -36,6 +45,57 @@ EXPORT_OPTS = [
     "-c", "diff.algorithm=myers", "-c", "diff.renames=true", "-c", "core.quotePath=true",
     "-c", "format.signature=", "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
 ]  # fmt: skip
+FORMAT_OPTS = [
+    "format-patch", "--stdout", "--full-index", "--zero-commit", "--no-signature",
+    "--no-numbered", "--subject-prefix=PATCH",
+]  # fmt: skip
+PY_CACHE = (":(exclude,glob)**/__pycache__/**", ":(exclude,glob)**/*.pyc")
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a materialized tree, its queue and the series live.
+
+    Args:
+        root: the directory that holds ``megatron/`` (the work tree of the queue).
+        pq: the queue's git directory (default ``root/.pq``).
+        patch_root: the directory of per-base series (default ``root/patches``).
+        build: scratch and lock directory (default ``root/build``).
+    """
+
+    root: Path
+    pq: Path = None
+    patch_root: Path = None
+    build: Path = None
+
+    def __post_init__(self):
+        root = Path(self.root)
+        object.__setattr__(self, "root", root)
+        object.__setattr__(self, "pq", Path(self.pq) if self.pq else root / ".pq")
+        object.__setattr__(
+            self, "patch_root", Path(self.patch_root) if self.patch_root else root / "patches"
+        )
+        object.__setattr__(self, "build", Path(self.build) if self.build else root / "build")
+
+    @property
+    def tree(self):
+        """The materialized ``megatron/`` directory."""
+        return self.root / "megatron"
+
+    def base(self):
+        """The base ``megatron/`` was materialized from (None if unknown)."""
+        path = self.pq / BASE_FILE
+        return path.read_text().strip() if path.is_file() else None
+
+    def patch_dir(self, base=None):
+        """The series directory of ``base`` (default: the materialized one)."""
+        base = base or self.base()
+        if base is None:
+            raise ForkError("no materialized base: run `tools/fork.py materialize`", EXIT_USAGE)
+        return series_dir(base, self.patch_root)
+
+
+DEFAULT = Workspace(REPO)
 
 
 def git(work_tree, git_dir, *args, check=True, env=None, **kwargs):
@@ -48,29 +108,23 @@ def git(work_tree, git_dir, *args, check=True, env=None, **kwargs):
     return proc.stdout
 
 
-def pq(*args, **kwargs):
-    """Run git on the repository's queue (.pq, work tree = repo root, megatron/ only)."""
-    return git(REPO, PQ, *args, **kwargs)
+def pq(ws, *args, **kwargs):
+    """Run git on the workspace's queue (work tree = its root, megatron/ only)."""
+    return git(ws.root, ws.pq, *args, **kwargs)
 
 
-PY_CACHE = (":(exclude,glob)**/__pycache__/**", ":(exclude,glob)**/*.pyc")
-
-
-def _dirty():
+def _dirty(ws):
     """Return the edits in megatron/ not yet in a queue commit (tracked and new files).
 
     The repository's .gitignore ignores megatron/ as a whole, so new files are listed without
     ignore rules, minus Python caches.
     """
-    changed = pq("status", "--porcelain", "--untracked-files=no", "--", "megatron").splitlines()
-    new = pq("ls-files", "--others", "--", "megatron", *PY_CACHE).splitlines()
-    return "\n".join(changed + [f"?? {path}" for path in new])
+    changed = pq(ws, "status", "--porcelain", "--untracked-files=no", "--", "megatron")
+    new = pq(ws, "ls-files", "--others", "--", "megatron", *PY_CACHE).splitlines()
+    return "\n".join(changed.splitlines() + [f"?? {path}" for path in new])
 
 
-APPLIED_FILE = "fork-applied"  # inside the queue's git dir: the patch texts materialize applied
-
-
-def queue_state():
+def queue_state(ws=DEFAULT):
     """Describe work in megatron/ that exists nowhere else: uncommitted edits or unexported commits.
 
     A tree that merely lags behind patches/ (say, after a git pull) holds no such work.
@@ -78,27 +132,34 @@ def queue_state():
     Returns:
         A list of human-readable problems; empty when nothing would be lost by re-materializing.
     """
-    if not TREE.exists():
+    if not ws.tree.exists():
         return []
-    if not PQ.exists():
+    if not ws.pq.exists():
         return ["megatron/ exists but .pq/ does not: it was not made by materialize"]
     problems = []
-    dirty = _dirty()
+    dirty = _dirty(ws)
     if dirty:
         problems.append("uncommitted edits in megatron/:\n" + dirty)
-    applied = PQ / APPLIED_FILE
+    applied = ws.pq / APPLIED_FILE
     recorded = applied.read_text() if applied.is_file() else None
-    if _fingerprint(render_patches()) != recorded:
+    if _fingerprint(render_patches(ws)) != recorded:
         problems.append("the queue has commits that are not exported to patches/")
     return problems
 
 
-def is_current():
-    """True when megatron/ was materialized from exactly the current patches/ and is unedited."""
-    if not TREE.exists() or not PQ.exists() or queue_state():
+def is_current(ws=DEFAULT, base=None):
+    """True when megatron/ was materialized from exactly the current series of ``base``, unedited.
+
+    Args:
+        ws: the workspace.
+        base: the base it must have been built on (default: whichever it was built on).
+    """
+    if not ws.tree.exists() or not ws.pq.exists() or queue_state(ws):
         return False
-    current = {p.name: p.path.read_text() for p in load_series()}
-    return _fingerprint(current) == (PQ / APPLIED_FILE).read_text()
+    if base is not None and ws.base() != base:
+        return False
+    current = {p.name: p.path.read_text() for p in load_series(ws.patch_dir())}
+    return _fingerprint(current) == (ws.pq / APPLIED_FILE).read_text()
 
 
 def _fingerprint(rendered):
@@ -107,94 +168,222 @@ def _fingerprint(rendered):
     )
 
 
-def materialize(pin, base_name, force=False, dest_tree=None, interrupt_after=None, **source):
-    """Build upstream + series and swap it into megatron/ (or ``dest_tree``) atomically.
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; carries the signal number."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """Turn SIGTERM (and SIGINT) into :class:`Interrupted` so ``finally`` blocks clean up."""
+
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """Hold SIGINT/SIGTERM during a few renames so the swap is never half done."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def locked(ws, wait_s=None):
+    """Hold the workspace's materialize lock; remove temporary folders of killed runs.
+
+    Two runs never interleave: the second waits up to ``wait_s`` (default
+    $MEGATRON_FORK_LOCK_WAIT, 600 s) and then fails with exit 7. Under the lock no other run is
+    active, so every ``build/.materialize-*`` and ``build/.previous-*`` left is stale.
+    """
+    import fcntl  # pylint: disable=import-outside-toplevel
+
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+    try:
+        ws.build.mkdir(parents=True, exist_ok=True)
+        handle = open(ws.build / LOCK_FILE, "a+")  # pylint: disable=consider-using-with
+    except OSError as exc:
+        raise io_error(exc, f"cannot create the lock in {ws.build}") from exc
+    deadline = time.monotonic() + wait_s
+    with handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError as exc:
+                if time.monotonic() > deadline:
+                    raise ForkError(
+                        f"another tools/fork.py run holds {ws.build / LOCK_FILE} "
+                        f"(waited {wait_s:.0f} s); try again when it has finished",
+                        EXIT_BUSY,
+                    ) from exc
+                time.sleep(0.2)
+        try:
+            for stale in ws.build.iterdir():
+                if stale.name.startswith(TEMP_PREFIXES):
+                    shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+IO_HINTS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EXDEV: "a rename across file systems (build/ and the tree must be on one)",
+    errno.EDQUOT: "disk quota exceeded",
+}
+
+
+def io_error(exc, what):
+    """Map an OSError to a one-line :class:`ForkError` with exit code 9 (I/O fault)."""
+    hint = IO_HINTS.get(exc.errno, exc.strerror or type(exc).__name__)
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return ForkError(f"{what}: {hint}{where}; nothing was changed", EXIT_IO)
+
+
+def materialize(
+    pin,
+    base_name,
+    ws=DEFAULT,
+    force=False,
+    dest_tree=None,
+    interrupt_after=None,
+    pause_after=None,
+    **source,
+):
+    """Build upstream + the base's series and swap it into megatron/ (or ``dest_tree``) atomically.
 
     Args:
         pin: the loaded pin.
-        base_name: the base to build on.
+        base_name: the base to build on; its series is ``patches/<base_name>/series``.
+        ws: the workspace (tree, queue, patches, build directory).
         force: discard unsaved work in megatron/ (otherwise refuse, exit 6).
-        dest_tree: build a pristine tree (no series, no queue) at this directory instead.
+        dest_tree: build a tree without a queue at this directory instead: pristine upstream, or
+            upstream + series when ``source['with_series']`` is set.
         interrupt_after: test hook: raise KeyboardInterrupt after this many patches.
+        pause_after: test hook: print "paused" and sleep after this many patches (for signals).
         **source: forwarded to :func:`upstream.obtain_tree` (wheel, wheel_dir, offline, ...).
 
     Returns:
         The list of applied patch names.
     """
-    if dest_tree is None and not force:
-        problems = queue_state()
-        if problems:
-            raise ForkError(
-                "megatron/ holds work that would be lost; run `tools/fork.py export` first "
-                "(or pass --force):\n  " + "\n  ".join(problems),
-                EXIT_DIRTY,
-            )
-    patches = [] if dest_tree is not None else load_series()
-    BUILD.mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".materialize-", dir=BUILD))
-    try:
-        origin = obtain_tree(pin, base_name, tmp, **source)
-        if dest_tree is not None:
-            _swap(tmp / "megatron", Path(dest_tree) / "megatron")
-            return []
-        git_dir = tmp / ".pq"
-        git(tmp, git_dir, "init", "-q")
-        git(tmp, git_dir, "add", "-A", "-f", "--", "megatron", *PY_CACHE)
-        git(tmp, git_dir, "commit", "-q", "-m", f"upstream: megatron-core {base_name}\n\n{origin}")
-        git(tmp, git_dir, "tag", "base")
-        names = {}
-        for count, patch in enumerate(patches):
-            if interrupt_after is not None and count == interrupt_after:
-                raise KeyboardInterrupt(f"test interrupt after {count} patches")
-            outcome, detail = classify(patch, tmp)
-            if outcome != CLEAN:
+    with_series = source.pop("with_series", dest_tree is None)
+    with locked(ws), _signals_raise():
+        if dest_tree is None and not force:
+            problems = queue_state(ws)
+            if problems:
                 raise ForkError(
-                    f"patch {patch.name} does not apply with zero fuzz and offset to "
-                    f"megatron-core {base_name} ({outcome}): {detail}",
-                    EXIT_APPLY,
+                    "megatron/ holds work that would be lost; run `tools/fork.py export` first "
+                    "(or pass --force):\n  " + "\n  ".join(problems),
+                    EXIT_DIRTY,
                 )
-            git(tmp, git_dir, "am", "-q", "--no-3way", "--keep-cr", str(patch.path))
-            names[git(tmp, git_dir, "log", "-1", "--format=%s").strip()] = patch.name
-        (git_dir / NAMES_FILE).write_text("".join(f"{s}\t{n}\n" for s, n in names.items()))
-        (git_dir / APPLIED_FILE).write_text(
-            _fingerprint({p.name: p.path.read_text() for p in patches})
-        )
-        git(tmp, git_dir, "config", "core.worktree", str(REPO))
-        git(tmp, git_dir, "config", "status.showUntrackedFiles", "no")
-        _swap(tmp / "megatron", TREE, tmp / ".pq", PQ)
-        return [p.name for p in patches]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        patches = load_series(ws.patch_dir(base_name)) if with_series else []
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=".materialize-", dir=ws.build))
+        except OSError as exc:
+            raise io_error(exc, f"cannot create a temporary folder in {ws.build}") from exc
+        try:
+            try:
+                origin = obtain_tree(pin, base_name, tmp, **source)
+            except OSError as exc:
+                raise io_error(exc, f"cannot write upstream {base_name} into {tmp}") from exc
+            git_dir = tmp / ".pq"
+            names = _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_after)
+            try:
+                if dest_tree is not None:
+                    _swap(ws, tmp / "megatron", Path(dest_tree) / "megatron")
+                    return [p.name for p in patches]
+                (git_dir / NAMES_FILE).write_text("".join(f"{s}\t{n}\n" for s, n in names.items()))
+                (git_dir / APPLIED_FILE).write_text(
+                    _fingerprint({p.name: p.path.read_text() for p in patches})
+                )
+                (git_dir / BASE_FILE).write_text(base_name + "\n")
+                git(tmp, git_dir, "config", "core.worktree", str(ws.root))
+                git(tmp, git_dir, "config", "status.showUntrackedFiles", "no")
+                _swap(ws, tmp / "megatron", ws.tree, tmp / ".pq", ws.pq)
+            except OSError as exc:
+                raise io_error(exc, f"cannot place the new tree at {ws.root}") from exc
+            return [p.name for p in patches]
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _swap(new_tree, old_tree, new_git=None, old_git=None):
+def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_after=None):
+    """Commit the upstream tree in ``tmp`` and apply each patch with zero fuzz/offset."""
+    git(tmp, git_dir, "init", "-q")
+    git(tmp, git_dir, "add", "-A", "-f", "--", "megatron", *PY_CACHE)
+    git(tmp, git_dir, "commit", "-q", "-m", f"upstream: megatron-core {base_name}\n\n{origin}")
+    git(tmp, git_dir, "tag", "base")
+    names = {}
+    for count, patch in enumerate(patches):
+        if interrupt_after is not None and count == interrupt_after:
+            raise KeyboardInterrupt(f"test interrupt after {count} patches")
+        if pause_after is not None and count == pause_after:
+            print("paused", file=sys.stderr, flush=True)
+            time.sleep(120)
+        outcome, detail = classify(patch, tmp)
+        if outcome != CLEAN:
+            raise ForkError(
+                f"patch {patch.name} does not apply with zero fuzz and offset to "
+                f"megatron-core {base_name} ({outcome}): {detail}",
+                EXIT_APPLY,
+            )
+        git(tmp, git_dir, "am", "-q", "--no-3way", "--keep-cr", str(patch.path))
+        names[git(tmp, git_dir, "log", "-1", "--format=%s").strip()] = patch.name
+    return names
+
+
+def _swap(ws, new_tree, old_tree, new_git=None, old_git=None):
     """Replace old_tree (and old_git) by the new ones; on any failure put the old ones back."""
     pairs = [(Path(new_tree), Path(old_tree))]
     if new_git is not None:
         pairs.append((Path(new_git), Path(old_git)))
-    stash = Path(tempfile.mkdtemp(prefix=".previous-", dir=BUILD))
+    stash = Path(tempfile.mkdtemp(prefix=".previous-", dir=ws.build))
     moved, placed = [], []
-    try:
-        for i, (_, old) in enumerate(pairs):
-            if old.exists():
-                os.rename(old, stash / str(i))
-                moved.append((stash / str(i), old))
-        for new, old in pairs:
-            old.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(new, old)
-            placed.append(old)
-    except BaseException:
-        for old in placed:
-            shutil.rmtree(old, ignore_errors=True)
-        for saved, old in moved:
-            os.rename(saved, old)
-        raise
-    finally:
-        shutil.rmtree(stash, ignore_errors=True)
+    with _signals_blocked():
+        try:
+            for i, (_, old) in enumerate(pairs):
+                if old.exists():
+                    os.rename(old, stash / str(i))
+                    moved.append((stash / str(i), old))
+            for new, old in pairs:
+                old.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(new, old)
+                placed.append(old)
+        except BaseException:
+            for old in placed:
+                shutil.rmtree(old, ignore_errors=True)
+            for saved, old in moved:
+                os.rename(saved, old)
+            shutil.rmtree(stash, ignore_errors=True)  # empty again: everything went back
+            raise
+    shutil.rmtree(stash, ignore_errors=True)
 
 
-def _known_names():
-    path = PQ / NAMES_FILE
+def _known_names(ws):
+    path = ws.pq / NAMES_FILE
     if not path.is_file():
         return {}
     return dict(line.split("\t", 1) for line in path.read_text().splitlines() if "\t" in line)
@@ -204,96 +393,150 @@ def _slug(subject):
     return re.sub(r"[^A-Za-z0-9_.]+", "-", subject).strip("-.")[:52].rstrip("-.")
 
 
-def render_patches():
-    """Return {file name: patch text} for every queue commit after the base, in order."""
-    commits = pq("rev-list", "--reverse", "base..HEAD").split()
-    known = _known_names()
+def _next_number(ws, known):
+    numbers = [0]
+    for name in known:
+        m = re.match(r"^(\d{4})-", name.rsplit("/", 1)[-1])
+        if m:
+            numbers.append(int(m.group(1)))
+    for base_dir in ws.patch_root.iterdir() if ws.patch_root.is_dir() else []:
+        for path in base_dir.rglob("*.patch") if base_dir.is_dir() else []:
+            m = re.match(r"^(\d{4})-", path.name)
+            if m:
+                numbers.append(int(m.group(1)))
+    return max(numbers) + 1
+
+
+def render_commits(work_tree, git_dir, revs, known=None, next_number=1, group=GROUPS[0]):
+    """Return {series entry: patch text} for the commits in ``revs`` (oldest first).
+
+    Args:
+        work_tree: the queue's work tree.
+        git_dir: the queue's git directory.
+        revs: a rev-list range, e.g. ``base..HEAD``.
+        known: {subject: series entry} of patches that already have a name.
+        next_number: the number given to the first commit without a known name.
+        group: the group directory of new patches.
+    """
+    commits = git(work_tree, git_dir, "rev-list", "--reverse", revs).split()
+    known = known or {}
     rendered = {}
-    for index, sha in enumerate(commits, 1):
-        subject = pq("log", "-1", "--format=%s", sha).strip()
-        name = known.get(subject) or f"{index:04d}-{_slug(subject)}.patch"
+    for sha in commits:
+        subject = git(work_tree, git_dir, "log", "-1", "--format=%s", sha).strip()
+        name = known.get(subject)
+        if name is None:
+            name = f"{group}/{next_number:04d}-{_slug(subject)}.patch"
+            next_number += 1
         if name in rendered:
             raise ForkError(f"two queue commits export to {name}; give them distinct subjects")
-        rendered[name] = pq(
-            *EXPORT_OPTS, "format-patch", "--stdout", "--full-index", "--zero-commit",
-            "--no-signature", "--no-numbered", "--subject-prefix=PATCH", "-1", sha,
-        )  # fmt: skip
+        rendered[name] = git(work_tree, git_dir, *EXPORT_OPTS, *FORMAT_OPTS, "-1", sha)
     return rendered
 
 
-def export():
-    """Write the queue's commits to patches/ and patches/series; return (written, removed)."""
-    if not PQ.exists():
+def render_patches(ws=DEFAULT):
+    """Return {series entry: patch text} for every queue commit after the base, in order."""
+    known = _known_names(ws)
+    return render_commits(ws.root, ws.pq, "base..HEAD", known, _next_number(ws, known.values()))
+
+
+def write_series(patch_dir, rendered, protect=()):
+    """Write ``rendered`` as the series in ``patch_dir``; return (written, removed).
+
+    Args:
+        patch_dir: the base's series directory.
+        rendered: {series entry: patch text}, in series order.
+        protect: entries that may be removed (the ones the queue applied); any other patch file
+            that is not in ``rendered`` stops the write (exit 6), so nothing is deleted by accident.
+    """
+    from .series import patch_files  # pylint: disable=import-outside-toplevel
+
+    patch_dir = Path(patch_dir)
+    patch_dir.mkdir(parents=True, exist_ok=True)
+    on_disk = patch_files(patch_dir)
+    strangers = [n for n in on_disk if n not in rendered and n not in protect]
+    if strangers:
+        raise ForkError(
+            f"{patch_dir} holds files that the queue never applied: "
+            + ", ".join(sorted(strangers))
+            + "; list them in the series and run materialize (or move them away) before "
+            "exporting, so that nothing is deleted by accident",
+            EXIT_DIRTY,
+        )
+    written = []
+    for name, text in rendered.items():
+        path = patch_dir / name
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            written.append(name)
+    removed = []
+    for name in on_disk:
+        if name not in rendered:
+            (patch_dir / name).unlink()
+            removed.append(name)
+    series = "".join(f"{name}\n" for name in rendered)
+    series_path = patch_dir / "series"
+    if not series_path.is_file() or series_path.read_text() != series:
+        series_path.write_text(series)
+        written.append("series")
+    return written, removed
+
+
+def export(ws=DEFAULT):
+    """Write the queue's commits to patches/<base>/ and its series; return (written, removed)."""
+    if not ws.pq.exists():
         raise ForkError("no patch queue: run `tools/fork.py materialize` first", EXIT_USAGE)
-    dirty = _dirty()
+    dirty = _dirty(ws)
     if dirty:
         raise ForkError(
             "megatron/ has edits that are not in a queue commit; commit them with "
             "`tools/fork.py commit --to PATCH` or `tools/fork.py commit --new SUBJECT`:\n" + dirty,
             EXIT_DIRTY,
         )
-    rendered = render_patches()
-    applied = PQ / APPLIED_FILE
+    rendered = render_patches(ws)
+    applied = ws.pq / APPLIED_FILE
     ours = (
         {line.split("  ", 1)[1] for line in applied.read_text().splitlines()}
         if applied.is_file()
         else set()
     )
-    strangers = [
-        p.name for p in PATCH_DIR.glob("*.patch") if p.name not in rendered and p.name not in ours
-    ]
-    if strangers:
-        raise ForkError(
-            "patches/ holds files that the queue never applied: "
-            + ", ".join(sorted(strangers))
-            + "; list them in patches/series and run materialize (or move them away) before "
-            "exporting, so that nothing is deleted by accident",
-            EXIT_DIRTY,
-        )
-    written = []
-    for name, text in rendered.items():
-        path = PATCH_DIR / name
-        if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
-            written.append(name)
-    removed = []
-    for path in PATCH_DIR.glob("*.patch"):
-        if path.name not in rendered:
-            path.unlink()
-            removed.append(path.name)
-    series = "".join(f"{name}\n" for name in rendered)
-    series_path = PATCH_DIR / "series"
-    if not series_path.is_file() or series_path.read_text() != series:
-        series_path.write_text(series)
-        written.append("series")
-    names = {pq("log", "-1", "--format=%s", sha).strip(): name for sha, name in zip(
-        pq("rev-list", "--reverse", "base..HEAD").split(), rendered)}  # fmt: skip
-    (PQ / NAMES_FILE).write_text("".join(f"{s}\t{n}\n" for s, n in names.items()))
-    (PQ / APPLIED_FILE).write_text(_fingerprint(rendered))
+    written, removed = write_series(ws.patch_dir(), rendered, protect=ours)
+    names = {pq(ws, "log", "-1", "--format=%s", sha).strip(): name for sha, name in zip(
+        pq(ws, "rev-list", "--reverse", "base..HEAD").split(), rendered)}  # fmt: skip
+    (ws.pq / NAMES_FILE).write_text("".join(f"{s}\t{n}\n" for s, n in names.items()))
+    (ws.pq / APPLIED_FILE).write_text(_fingerprint(rendered))
     return written, removed
 
 
-def commit(to=None, new=None, message_file=None):
+def commit(ws=DEFAULT, to=None, new=None, message_file=None):
     """Record the edits in megatron/ into the queue.
 
     Args:
-        to: fold the edits into the commit of this patch file name (fixup + autosquash).
+        ws: the workspace.
+        to: fold the edits into the commit of this patch (series entry or file name).
         new: create a new patch with this subject at the end of the series.
         message_file: the body of the new patch's message (Problem/Cause/Fix/Validation, trailers).
     """
     if bool(to) == bool(new):
         raise ForkError("commit needs exactly one of --to PATCH or --new SUBJECT", EXIT_USAGE)
-    pq("add", "-A", "-f", "--", "megatron", *PY_CACHE)
+    pq(ws, "add", "-A", "-f", "--", "megatron", *PY_CACHE)
     if new:
         body = Path(message_file).read_text() if message_file else ""
-        pq("commit", "-q", "-m", f"{new}\n\n{body}".rstrip() + "\n")
+        pq(ws, "commit", "-q", "-m", f"{new}\n\n{body}".rstrip() + "\n")
         return
-    by_name = {v: k for k, v in _known_names().items()}
+    by_name = {v: k for k, v in _known_names(ws).items()}
+    by_name.update({v.rsplit("/", 1)[-1]: k for k, v in _known_names(ws).items()})
     if to not in by_name:
         raise ForkError(f"no queue commit for patch {to}; known: {', '.join(by_name)}", EXIT_USAGE)
-    subjects = pq("log", "--format=%H %s", "base..HEAD").splitlines()
+    subjects = pq(ws, "log", "--format=%H %s", "base..HEAD").splitlines()
     target = next(
         line.split(" ", 1)[0] for line in subjects if line.split(" ", 1)[1] == by_name[to]
     )
-    pq("commit", "-q", f"--fixup={target}")
-    pq("rebase", "-q", "-i", "--autosquash", "base", env={"GIT_SEQUENCE_EDITOR": "true"})
+    pq(ws, "commit", "-q", f"--fixup={target}")
+    pq(ws, "rebase", "-q", "-i", "--autosquash", "base", env={"GIT_SEQUENCE_EDITOR": "true"})
+
+
+__all__ = [
+    "Workspace", "DEFAULT", "materialize", "export", "commit", "render_patches", "queue_state",
+    "is_current", "read_series", "Interrupted",
+]  # fmt: skip

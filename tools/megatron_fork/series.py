@@ -1,15 +1,25 @@
-"""The patch series: reading patches/series, patch metadata, and dry-run classification."""
+"""The patch series of each base: patches/<base>/series, patch metadata, dry-run classification.
+
+Layout: ``patches/<base>/series`` lists the base's carried patches as ``<group>/<file>.patch``,
+where the group says where the change comes from (``fork``: the fork's own change;
+``backports``: a change upstream made on another line, carried here). ``patches/changes.toml``
+is the catalogue of changes across bases: which bases carry each one, and which already contain
+it upstream (with the upstream commit and PR). A patch names its change with a ``Fork-Change:``
+trailer, so the same change is recognizable on every base.
+"""
 
 import re
 import subprocess
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_USAGE, ForkError
 from .upstream import REPO
 
-PATCH_DIR = REPO / "patches"
-SERIES_FILE = PATCH_DIR / "series"
+PATCH_ROOT = REPO / "patches"
+CHANGES_FILE = "changes.toml"
+GROUPS = ("fork", "backports")
 
 CLEAN = "clean"
 OFFSET = "offset"
@@ -24,13 +34,14 @@ class Patch:
     """One patch of the series with its parsed metadata.
 
     Args:
-        name: file name inside patches/.
+        name: the series entry, ``<group>/<file>.patch`` (or a bare file name).
         path: full path of the file.
         subject: the subject line without the ``[PATCH]`` prefix.
         upstream_status: the ``Upstream-Status:`` trailer.
         requires: the ``Requires:`` trailers (file names of earlier patches).
         upstream_commits: the ``Upstream-Commit:`` trailers (Megatron-LM commits with the change).
         files: the paths the patch touches.
+        change: the ``Fork-Change:`` trailer (the change's slug, the same on every base).
     """
 
     name: str
@@ -40,12 +51,24 @@ class Patch:
     requires: list = field(default_factory=list)
     upstream_commits: list = field(default_factory=list)
     files: list = field(default_factory=list)
+    change: str = ""
+
+    @property
+    def basename(self):
+        """The file name without the group directory."""
+        return self.name.rsplit("/", 1)[-1]
 
 
-def read_series(patch_dir=PATCH_DIR):
-    """Return the patch file names listed in ``patch_dir/series``, in order.
+def series_dir(base, root=PATCH_ROOT):
+    """Return the directory of base ``base``'s series (``patches/<base>``)."""
+    return Path(root) / base
 
-    Blank lines and ``#`` comments are ignored. Fails on duplicates and on names with a path.
+
+def read_series(patch_dir):
+    """Return the patch entries listed in ``patch_dir/series``, in order.
+
+    Blank lines and ``#`` comments are ignored. An entry is ``<group>/<file>.patch`` or a bare
+    ``<file>.patch``. Fails on duplicates and on deeper paths.
     """
     series = Path(patch_dir) / "series"
     if not series.is_file():
@@ -55,7 +78,8 @@ def read_series(patch_dir=PATCH_DIR):
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
-        if "/" in entry or not entry.endswith(".patch"):
+        parts = entry.split("/")
+        if len(parts) > 2 or not entry.endswith(".patch") or ".." in parts or "" in parts:
             raise ForkError(f"{series}:{lineno}: {entry!r} is not a patch file name", EXIT_USAGE)
         if entry in names:
             raise ForkError(f"{series}:{lineno}: {entry} is listed twice", EXIT_USAGE)
@@ -63,23 +87,33 @@ def read_series(patch_dir=PATCH_DIR):
     return names
 
 
-def series_mismatch(patch_dir=PATCH_DIR):
+def patch_files(patch_dir):
+    """Return the series-relative paths of every patch file under ``patch_dir``."""
+    return sorted(p.relative_to(patch_dir).as_posix() for p in Path(patch_dir).rglob("*.patch"))
+
+
+def series_mismatch(patch_dir):
     """Return (names in series without a file, patch files not in the series)."""
     names = read_series(patch_dir)
-    on_disk = sorted(p.name for p in Path(patch_dir).glob("*.patch"))
+    on_disk = patch_files(patch_dir)
     missing = [n for n in names if not (Path(patch_dir) / n).is_file()]
     extra = [n for n in on_disk if n not in names]
     return missing, extra
 
 
-def parse_patch(path):
-    """Parse a git format-patch file, failing clearly when it is corrupt or truncated."""
+def parse_patch(path, entry=None):
+    """Parse a git format-patch file, failing clearly when it is corrupt or truncated.
+
+    Args:
+        path: the patch file.
+        entry: its series entry (default: the file name).
+    """
     path = Path(path)
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ForkError(f"patch {path.name}: cannot read it: {exc}", EXIT_APPLY) from exc
-    patch = Patch(name=path.name, path=path)
+    patch = Patch(name=entry or path.name, path=path)
     subject = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*(?:\n .*)*)", text, re.M)
     if not text.startswith("From ") or not subject or "\ndiff --git " not in text:
         raise ForkError(
@@ -102,11 +136,49 @@ def parse_patch(path):
     patch.upstream_status = status.group(1).strip() if status else ""
     patch.requires = re.findall(r"^Requires: (\S+)", header, re.M)
     patch.upstream_commits = re.findall(r"^Upstream-Commit: ([0-9a-f]{7,40})", header, re.M)
+    change = re.search(r"^Fork-Change: (\S+)", header, re.M)
+    patch.change = change.group(1) if change else ""
     patch.files = re.findall(r"^\+\+\+ b/(\S+)", text, re.M) + re.findall(
         r"^--- a/(\S+)\n\+\+\+ /dev/null", text, re.M
     )
     _check_hunks(patch, text)
+    _check_complete(patch, text)
     return patch
+
+
+def _check_complete(patch, text):
+    """Fail when the diff lacks files or lines its diffstat announces (cut at a file boundary).
+
+    A patch cut right after a complete hunk has consistent hunks; only the diffstat that
+    ``git format-patch`` writes above the diff still knows what was lost.
+    """
+    if "\n---\n" not in text.split("\ndiff --git ", 1)[0] + "\n":
+        return
+    stat_block = text.split("\ndiff --git ", 1)[0].rsplit("\n---\n", 1)[-1]
+    summary = re.search(
+        r"^ (\d+) files? changed(?:, (\d+) insertions?\(\+\))?(?:, (\d+) deletions?\(-\))?",
+        stat_block,
+        re.M,
+    )
+    if not summary:
+        return
+    n_files = int(summary.group(1))
+    sections = re.findall(r"^diff --git a/(\S+) b/(\S+)", text, re.M)
+    body = text.split("\ndiff --git ", 1)[1]
+    plus = len(re.findall(r"^\+(?!\+\+ )", body, re.M))
+    minus = len(re.findall(r"^-(?!-- )", body, re.M))
+    want_plus, want_minus = int(summary.group(2) or 0), int(summary.group(3) or 0)
+    if len(sections) != n_files or (plus, minus) != (want_plus, want_minus):
+        stated = re.findall(r"^ (\S+)\s+\|", stat_block, re.M)
+        present = {b for _, b in sections} | {a for a, _ in sections}
+        lost = [f for f in stated if f not in present and not f.startswith("...")]
+        raise ForkError(
+            f"patch {patch.name}: incomplete diff: its diffstat announces {n_files} files "
+            f"(+{want_plus}/-{want_minus} lines), the diff has {len(sections)} (+{plus}/-{minus})"
+            + (f"; missing: {', '.join(lost)}" if lost else "")
+            + " (truncated or hand-edited; regenerate it with tools/fork.py export)",
+            EXIT_APPLY,
+        )
 
 
 def _check_hunks(patch, text):
@@ -145,15 +217,60 @@ def _check_hunks(patch, text):
             raise ForkError(f"patch {patch.name}: corrupt hunk {header!r}: bad counts", EXIT_APPLY)
 
 
-def load_series(patch_dir=PATCH_DIR):
+def load_series(patch_dir):
     """Return the parsed patches in series order, failing on a name without a file."""
     patches = []
     for name in read_series(patch_dir):
         path = Path(patch_dir) / name
         if not path.is_file():
-            raise ForkError(f"patches/series lists {name}, but {path} does not exist", EXIT_USAGE)
-        patches.append(parse_patch(path))
+            raise ForkError(
+                f"{patch_dir}/series lists {name}, but {path} does not exist", EXIT_USAGE
+            )
+        patches.append(parse_patch(path, name))
     return patches
+
+
+def series_digest(patches):
+    """Return the sha256 of a series: its entries and their bytes, in order.
+
+    It changes whenever the carried series changes (a patch added, removed, reordered or edited)
+    and is the hex part of the install's local version label.
+    """
+    import hashlib  # pylint: disable=import-outside-toplevel
+
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(f"{patch.name}\n".encode())
+        digest.update(patch.path.read_bytes())
+    return digest.hexdigest()
+
+
+def load_changes(root=PATCH_ROOT):
+    """Return the change catalogue ``patches/changes.toml`` ({} when there is none)."""
+    path = Path(root) / CHANGES_FILE
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f).get("changes", {})
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ForkError(f"cannot read {path}: {exc}", EXIT_USAGE) from exc
+
+
+def upstream_record(changes, slug, base):
+    """Return the upstream record of change ``slug`` on ``base`` (a dict) or None if carried."""
+    state = changes.get(slug, {}).get("bases", {}).get(base)
+    return state if isinstance(state, dict) else None
+
+
+def describe_upstream(record):
+    """One line naming the upstream commit (and PR) of an upstream record."""
+    text = f"upstream commit {record['commit'][:10]}"
+    if record.get("pr"):
+        text += f" (PR {record['pr']})"
+    if record.get("ref"):
+        text += f" in {record['ref']}"
+    return text
 
 
 def gnu_patch(patch_path, tree, reverse=False, fuzz=0, dry_run=True):
@@ -189,6 +306,28 @@ def describe_failure(patch, output):
     return failures or [f"{patch.name}: {output.strip()[-300:]}"]
 
 
+def describe_hunks(patch, output, what):
+    """Return 'patch: file X: hunk #N ...' for each hunk line of GNU patch output naming ``what``.
+
+    Args:
+        patch: the patch.
+        output: GNU patch's output.
+        what: "offset" or "fuzz".
+    """
+    current, found = "?", []
+    for line in output.splitlines():
+        m = re.match(r"^(?:checking|patching) file (.+)$", line)
+        if m:
+            current = m.group(1)
+        m = re.match(r"^Hunk #(\d+) succeeded at (\d+)(.*)$", line)
+        if m and what in m.group(3):
+            found.append(
+                f"{patch.name}: file {current}: hunk #{m.group(1)} at line {m.group(2)}"
+                f"{m.group(3).rstrip('.')}"
+            )
+    return "; ".join(found)
+
+
 def classify(patch, tree):
     """Classify how ``patch`` relates to ``tree`` without changing it.
 
@@ -201,27 +340,10 @@ def classify(patch, tree):
         return UPSTREAM, "reverse-applies cleanly: the base already contains this change"
     rc, out = gnu_patch(patch.path, tree)
     if rc == 0:
-        offsets = [line.strip() for line in out.splitlines() if "offset" in line]
-        if offsets:
-            return OFFSET, "; ".join(offsets)
+        if "offset" in out:
+            return OFFSET, describe_hunks(patch, out, "offset")
         return CLEAN, ""
     rc3, out3 = gnu_patch(patch.path, tree, fuzz=3)
     if rc3 == 0:
-        return FUZZ, "; ".join(line.strip() for line in out3.splitlines() if "fuzz" in line)
+        return FUZZ, describe_hunks(patch, out3, "fuzz")
     return CONFLICT, "; ".join(describe_failure(patch, out))
-
-
-def apply_strict(patch, tree):
-    """Apply ``patch`` with zero fuzz and zero offset, or fail naming patch, file and hunk."""
-    outcome, detail = classify(patch, tree)
-    if outcome != CLEAN:
-        what = {
-            UPSTREAM: "is already contained in the base",
-            OFFSET: "applies only with an offset",
-            FUZZ: "applies only with fuzz",
-            CONFLICT: "does not apply",
-        }[outcome]
-        raise ForkError(f"patch {patch.name} {what}: {detail}", EXIT_APPLY)
-    rc, out = gnu_patch(patch.path, tree, dry_run=False)
-    if rc != 0:
-        raise ForkError("; ".join(describe_failure(patch, out)), EXIT_APPLY)

@@ -1,12 +1,25 @@
-"""The status matrix: every patch of the series against every base."""
+"""The status matrix: every change of the fork against every base or ref.
+
+Columns are pinned bases (``--base``: wheels by hash, dev from a checkout) and any git ref
+(``--rev`` with ``--git-repo``). Each column is tried with a series: its own when the base is
+maintained, else the series its pin entry names (refs: ``--series``, default the primary). A
+cell is clean / offset / fuzz / CONFLICT (dry runs of GNU patch with the series applied
+cumulatively) or upstream: reverse-applies, its upstream commit's hunks reverse-apply (with a
+checkout), or recorded in ``patches/changes.toml`` for that base. The record makes the answer for
+a wheel base the same with and without a checkout.
+"""
 
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .series import CLEAN, CONFLICT, FUZZ, OFFSET, UPSTREAM, classify, gnu_patch, load_series
-from .upstream import extract_git, obtain_tree
+from . import series as series_mod
+from .series import CLEAN, CONFLICT, FUZZ, OFFSET, UPSTREAM, classify, gnu_patch
+from .upstream import REPO, extract_git, is_git_base, obtain_tree, resolve_rev, series_base
+
+DEFAULT_BASES = ("0.17.1", "0.18.2", "0.19.2", "dev")
 
 SYMBOL = {
     CLEAN: "clean",
@@ -75,22 +88,190 @@ def evaluate(patches, tree, git_repo=None):
     return cells
 
 
-def base_trees(pin, names, git_repo=None, source=None):
-    """Yield (column label, tree directory) for every requested base; trees are temporary."""
+def _is_ancestor(git_repo, commit, rev):
+    proc = subprocess.run(
+        ["git", "-C", str(git_repo), "merge-base", "--is-ancestor", commit, rev],
+        capture_output=True,
+    )
+    return proc.returncode == 0
+
+
+@dataclass
+class Column:
+    """One column of the matrix: a pinned base or a git ref, and the series tried on it."""
+
+    label: str
+    base: str  # the pinned base name, or the ref for --rev
+    series: str  # the maintained base whose series is tried
+    rev: str = None  # git revision (git bases and refs)
+    cells: dict = field(default_factory=dict)  # row key -> (outcome, detail)
+    am3: dict = None  # patch name -> git am -3 result
+
+
+def _row_key(patch):
+    return patch.change or patch.name
+
+
+@dataclass
+class Result:
+    """The matrix, the rows (changes) in order, and the columns that could not be checked."""
+
+    rows: list
+    columns: list
+    patches: dict  # row key -> a representative patch (for metadata)
+    skipped: list
+    changes: dict
+
+    def render(self):
+        """A text table plus the details of every cell that is not clean."""
+        width = max([len(r) for r in self.rows] + [6])
+        widths = [max(len(c.label), 9) for c in self.columns]
+        lines = ["change".ljust(width) + "".join(
+            f"  {c.label:>{w}}" for c, w in zip(self.columns, widths))]  # fmt: skip
+        for row in self.rows:
+            cells = [SYMBOL.get(c.cells.get(row, ("-", ""))[0], "-") for c in self.columns]
+            lines.append(row.ljust(width) + "".join(
+                f"  {v:>{w}}" for v, w in zip(cells, widths)))  # fmt: skip
+        series = ", ".join(f"{c.label}: patches/{c.series}/" for c in self.columns)
+        lines += ["", f"series tried: {series}"]
+        details = [
+            f"  {c.label}: {row}: {c.cells[row][1]}"
+            for c in self.columns
+            for row in self.rows
+            if row in c.cells and c.cells[row][0] != CLEAN and c.cells[row][1]
+        ]
+        if details:
+            lines += ["", "details:"] + details
+        for c in self.columns:
+            if c.am3 is not None:
+                lines += ["", f"git am -3 on {c.label} (patches/{c.series}/):"]
+                lines += [f"  {name}: {res}" for name, res in c.am3.items()]
+        return "\n".join(lines)
+
+    def metadata_warnings(self):
+        """Cells that contradict the catalogue or a patch's Upstream-Status."""
+        warnings = []
+        for c in self.columns:
+            for row, (outcome, detail) in c.cells.items():
+                recorded = series_mod.upstream_record(self.changes, row, c.base)
+                if outcome == UPSTREAM and not recorded and c.base == c.series:
+                    warnings.append(
+                        f"{row}: found upstream in {c.label} ({detail}) but patches/{c.series}/ "
+                        "carries it: drop it there and record it in patches/changes.toml"
+                    )
+                patch = self.patches.get(row)
+                if (
+                    outcome == UPSTREAM
+                    and patch
+                    and not self.changes
+                    and (not patch.upstream_status.lower().startswith(("applied", "backport")))
+                ):
+                    warnings.append(
+                        f"{patch.name}: found upstream in {c.label} but its Upstream-Status is "
+                        f"{patch.upstream_status!r}"
+                    )
+        return warnings
+
+    def as_json(self):
+        """The matrix as JSON-able data."""
+        return {
+            "rows": self.rows,
+            "columns": [
+                {
+                    "label": c.label,
+                    "base": c.base,
+                    "series": c.series,
+                    "rev": c.rev,
+                    "cells": {r: {"outcome": o, "detail": d} for r, (o, d) in c.cells.items()},
+                    "am3": c.am3,
+                }
+                for c in self.columns
+            ],
+            "skipped": self.skipped,
+        }
+
+
+def status(pin, names, revs=(), git_repo=None, am3=False, source=None, ref_series=None,
+           patch_root=None):  # fmt: skip
+    """Compute the matrix.
+
+    Args:
+        pin: the loaded pin.
+        names: pinned bases (columns).
+        revs: git refs of ``git_repo`` (columns).
+        git_repo: a Megatron-LM clone (git bases, refs, upstream-commit checks, ``am3``).
+        am3: also run ``git am -3`` of the column's series on every git column.
+        source: wheel source options (wheel_dir, offline).
+        ref_series: the series tried on refs (default: the primary base).
+        patch_root: the per-base series directory (default: the repository's patches/).
+
+    Returns:
+        A :class:`Result`.
+    """
+    patch_root = Path(patch_root or REPO / "patches")
+    changes = series_mod.load_changes(patch_root)
+    columns, skipped = [], []
     for name in names:
+        if is_git_base(pin, name):
+            if not git_repo:
+                skipped.append(name)
+                continue
+            commit = pin["bases"][name]["commit"]
+            columns.append(Column(f"{name}@{commit[:8]}", name, series_base(pin, name), commit))
+        else:
+            columns.append(Column(name, name, series_base(pin, name)))
+    for rev in revs:
+        if not git_repo:
+            skipped.append(rev)
+            continue
+        sha = resolve_rev(git_repo, rev)
+        label = rev if rev.startswith(sha[:7]) else f"{rev}@{sha[:8]}"
+        columns.append(Column(label, rev, ref_series or pin["primary"], sha))
+    rows, reps = [], {}
+    for column in columns:
+        patches = series_mod.load_series(patch_root / column.series)
+        for patch in patches:
+            reps.setdefault(_row_key(patch), patch)
         tmp = Path(tempfile.mkdtemp(prefix="fork-status-"))
         try:
-            if name in pin.get("git_bases", {}):
-                if not git_repo:
-                    continue
-                commit = pin["git_bases"][name]["commit"]
-                extract_git(git_repo, commit, tmp)
-                yield f"{name}@{commit[:8]}", tmp
+            if column.rev:
+                extract_git(git_repo, column.rev, tmp)
             else:
-                obtain_tree(pin, name, tmp, **(source or {}))
-                yield name, tmp
+                obtain_tree(pin, column.base, tmp, **(source or {}))
+            carried = [
+                p for p in patches
+                if not series_mod.upstream_record(changes, p.change, column.base)
+            ]  # fmt: skip
+            by_name = evaluate(carried, tmp, git_repo)
+            for patch in patches:
+                record = series_mod.upstream_record(changes, patch.change, column.base)
+                if record:
+                    detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
+                    column.cells[_row_key(patch)] = (UPSTREAM, detail)
+                else:
+                    column.cells[_row_key(patch)] = by_name[patch.name]
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        for slug, entry in changes.items():
+            if slug in column.cells:
+                continue
+            record = series_mod.upstream_record(changes, slug, column.base)
+            commit = entry.get("upstream_commit")
+            if record:
+                detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
+                column.cells[slug] = (UPSTREAM, detail)
+            elif column.rev and commit and _is_ancestor(git_repo, commit, column.rev):
+                detail = f"upstream commit {commit[:10]} is an ancestor of {column.label}"
+                column.cells[slug] = (UPSTREAM, detail)
+        if am3 and column.rev:
+            column.am3 = am3_check(patches, git_repo, column.rev)
+    order = {slug: c.get("number", 0) for slug, c in changes.items()}
+    for column in columns:
+        for row in column.cells:
+            if row not in rows:
+                rows.append(row)
+    rows.sort(key=lambda r: (order.get(r, 10**6), r))
+    return Result(rows, columns, reps, skipped, changes)
 
 
 def am3_check(patches, git_repo, commit):
@@ -130,59 +311,3 @@ def am3_check(patches, git_repo, commit):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results
-
-
-def metadata_warnings(patches, matrix):
-    """Compare each patch's Upstream-Status trailer with what was detected."""
-    warnings = []
-    for patch in patches:
-        found = [col for col, cells in matrix.items() if cells[patch.name][0] == UPSTREAM]
-        says_applied = patch.upstream_status.lower().startswith("applied")
-        if found and not says_applied:
-            warnings.append(
-                f"{patch.name}: found upstream in {', '.join(found)} but its Upstream-Status is "
-                f"{patch.upstream_status!r}: drop it from the series for those bases or update it"
-            )
-        if says_applied and not found:
-            warnings.append(
-                f"{patch.name}: Upstream-Status says applied, but no checked base contains it"
-            )
-    return warnings
-
-
-def render(patches, matrix, am3=None):
-    """Render the matrix as a text table plus the non-clean details."""
-    cols = list(matrix)
-    width = max([len(p.name) for p in patches] + [5])
-    lines = ["patch".ljust(width) + "".join(f"  {c:>14}" for c in cols)]
-    if am3 is not None:
-        lines[0] += "  git am -3 (dev)"
-    for patch in patches:
-        row = patch.name.ljust(width)
-        row += "".join(f"  {SYMBOL[matrix[c][patch.name][0]]:>14}" for c in cols)
-        if am3 is not None:
-            row += "  " + am3.get(patch.name, "-")
-        lines.append(row)
-    details = [
-        f"  {c}: {p.name}: {matrix[c][p.name][1]}"
-        for c in cols
-        for p in patches
-        if matrix[c][p.name][0] not in (CLEAN,) and matrix[c][p.name][1]
-    ]
-    if details:
-        lines += ["", "details:"] + details
-    return "\n".join(lines)
-
-
-def status(pin, names, git_repo=None, am3=False, source=None):
-    """Compute the matrix; return (patches, matrix, am3 results or None)."""
-    patches = load_series()
-    matrix = {
-        label: evaluate(patches, tree, git_repo)
-        for label, tree in base_trees(pin, names, git_repo, source)
-    }
-    am3_results = None
-    if am3 and git_repo:
-        commit = pin["git_bases"]["dev"]["commit"]
-        am3_results = am3_check(patches, git_repo, commit)
-    return patches, matrix, am3_results

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import tomllib
 import zipfile
+import zlib
 from pathlib import Path
 
 from . import EXIT_HASH, EXIT_UNAVAILABLE, EXIT_USAGE, ForkError
@@ -38,13 +39,24 @@ def load_pin(path=PIN_FILE):
             pin = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ForkError(f"cannot read the upstream pin {path}: {exc}", EXIT_USAGE) from exc
-    for name, base in pin.get("bases", {}).items():
-        for key in ("version", "wheel", "sha256", "py_tree_sha256"):
+    bases = pin.get("bases", {})
+    for name, base in bases.items():
+        keys = ("commit", "py_tree_sha256") if "commit" in base else WHEEL_KEYS
+        for key in keys:
             if key not in base:
                 raise ForkError(f"{path}: base {name!r} lacks {key!r}", EXIT_USAGE)
-    if pin.get("primary", {}).get("name") not in pin.get("bases", {}):
-        raise ForkError(f"{path}: [primary] name must be one of the [bases]", EXIT_USAGE)
+    for key in ("primary", "default"):
+        if pin.get(key) not in bases:
+            raise ForkError(f"{path}: {key!r} must name one of the [bases]", EXIT_USAGE)
+    unknown = [n for n in pin.get("maintained", []) if n not in bases]
+    if unknown or pin["primary"] not in pin.get("maintained", []):
+        raise ForkError(
+            f"{path}: 'maintained' must list known bases including the primary", EXIT_USAGE
+        )
     return pin
+
+
+WHEEL_KEYS = ("version", "wheel", "sha256", "py_tree_sha256")
 
 
 def base_entry(pin, name):
@@ -53,6 +65,18 @@ def base_entry(pin, name):
     if name not in bases:
         raise ForkError(f"unknown base {name!r}; the pin knows {', '.join(bases)}", EXIT_USAGE)
     return bases[name]
+
+
+def is_git_base(pin, name):
+    """True when base ``name`` is pinned as a Megatron-LM commit (read from a checkout)."""
+    return "commit" in base_entry(pin, name)
+
+
+def series_base(pin, name):
+    """Return the maintained base whose series applies to base ``name`` (itself if maintained)."""
+    if name in pin.get("maintained", []):
+        return name
+    return base_entry(pin, name).get("series", pin["primary"])
 
 
 def sha256_file(path):
@@ -138,25 +162,60 @@ def fetch_wheel(pin, name, wheel=None, wheel_dir=None, offline=False):
     return cache / base["wheel"]
 
 
+def copy_wheel(path, dest):
+    """Copy a verified wheel into the folder ``dest`` (created); return the copy's path."""
+    dest = Path(dest)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / Path(path).name
+        if not target.is_file() or sha256_file(target) != sha256_file(path):
+            tmp = dest / f".{target.name}.part"
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, target)
+    except OSError as exc:
+        raise ForkError(f"cannot copy {Path(path).name} into {dest}: {exc.strerror}", 9) from exc
+    return target
+
+
 def extract_wheel(wheel_path, dest):
     """Extract the upstream sources (``megatron/**``, no build products) of a wheel to ``dest``."""
-    with zipfile.ZipFile(wheel_path) as zf:
-        for info in zf.infolist():
-            name = info.filename
-            if not name.startswith("megatron/") or name.endswith("/"):
-                continue
-            if name.endswith(SKIPPED_SUFFIXES):
-                continue
-            target = Path(dest) / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out)
+    try:
+        with zipfile.ZipFile(wheel_path) as zf:
+            for info in zf.infolist():
+                name = info.filename
+                if not name.startswith("megatron/") or name.endswith("/"):
+                    continue
+                if name.endswith(SKIPPED_SUFFIXES):
+                    continue
+                target = Path(dest) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise ForkError(
+            f"{Path(wheel_path).name} is a corrupt archive although its sha256 matches "
+            f"({type(exc).__name__}: {exc}); delete it from the cache and fetch again",
+            9,
+        ) from exc
+
+
+def resolve_rev(repo, rev):
+    """Return the full commit sha of ``rev`` in the git repository ``repo``."""
+    if not Path(repo).exists():
+        raise ForkError(f"git checkout {repo} does not exist", EXIT_UNAVAILABLE)
+    proc = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise ForkError(f"{repo} has no revision {rev!r}", EXIT_UNAVAILABLE)
+    return proc.stdout.strip()
 
 
 def extract_git(repo, rev, dest):
     """Extract ``megatron/core`` and ``megatron/training`` of a local Megatron-LM checkout."""
-    if not Path(repo).exists():
-        raise ForkError(f"git checkout {repo} does not exist", EXIT_UNAVAILABLE)
+    resolve_rev(repo, rev)
     archive = subprocess.run(
         [
             "git",
@@ -190,17 +249,34 @@ def obtain_tree(
         wheel: see :func:`fetch_wheel`.
         wheel_dir: see :func:`fetch_wheel`.
         offline: see :func:`fetch_wheel`.
-        git_repo: a local Megatron-LM checkout to read instead of the wheel.
-        rev: the revision of ``git_repo`` (default: the base's ``git_tag``).
+        git_repo: a local Megatron-LM checkout to read instead of the wheel (required for a base
+            pinned as a commit, such as dev).
+        rev: the revision of ``git_repo`` (default: the pinned commit or the base's ``git_tag``).
     """
     base = base_entry(pin, name)
-    if git_repo:
+    if "commit" in base:
+        if not git_repo:
+            raise ForkError(
+                f"base {name} is Megatron-LM commit {base['commit'][:12]}: pass --git-repo "
+                "PATH-TO-Megatron-LM (a clone that has that commit)",
+                EXIT_UNAVAILABLE,
+            )
+        rev = rev or base["commit"]
+        sha = resolve_rev(git_repo, rev)
+        if sha != base["commit"]:
+            raise ForkError(
+                f"{git_repo}@{rev} is commit {sha[:12]}, but base {name} is pinned to "
+                f"{base['commit'][:12]} ({base.get('date', '')})",
+                EXIT_HASH,
+            )
+    elif git_repo:
         rev = rev or base.get("git_tag")
+    if git_repo:
         extract_git(git_repo, rev, dest)
         digest = py_tree_digest(dest)
         if digest != base["py_tree_sha256"]:
             raise ForkError(
-                f"{git_repo}@{rev} is not megatron-core {base['version']}: its megatron/**/*.py "
+                f"{git_repo}@{rev} is not megatron-core {name}: its megatron/**/*.py "
                 f"digest is {digest}, the pin says {base['py_tree_sha256']}",
                 EXIT_HASH,
             )

@@ -16,11 +16,11 @@ the worker asserts that ``megatron.core`` was imported from that tree. Repeats i
 so slow drift of the device (clocks, temperature) hits all arms alike.
 
 Usage:
-    python tools/bench_warmup.py --fork-tree . --pristine-tree build/trees/pristine-0.18.2 \
+    python tools/maint/bench_warmup.py --fork-tree . --pristine-tree build/trees/pristine-0.18.2 \
         --out results/bench.json [--layers 12 --hidden 2048 --seq 2048 --accum 2 \
         --micro-batch 1 --repeats 5 --steps 8 --warmup-steps 2]
     # CPU smoke test (tiny sizes, gloo, the test harness's CUDA redirect):
-    python tools/bench_warmup.py --device cpu --layers 2 --hidden 64 --seq 32 --vocab 128 \
+    python tools/maint/bench_warmup.py --device cpu --layers 2 --hidden 64 --seq 32 --vocab 128 \
         --repeats 1 --steps 3 --out /tmp/bench-cpu.json
 """
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 import types
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name -> (tree key, warmup?)
 ARMS = {'pristine': ('pristine', False), 'fork': ('fork', False), 'fork+warmup': ('fork', True)}
@@ -389,7 +389,10 @@ def environment(device):
             driver = _run(['rocm-smi', '--showdriverversion'])
         env['driver'] = driver.splitlines()[0].strip() if driver else None
     env['repo_commit'] = _run(['git', '-C', REPO, 'rev-parse', 'HEAD'])
-    series = os.path.join(REPO, 'patches', 'series')
+    base_file = os.path.join(REPO, '.pq', 'fork-base')
+    base = open(base_file).read().strip() if os.path.exists(base_file) else None
+    env['fork_base'] = base
+    series = os.path.join(REPO, 'patches', base or '-', 'series')
     if os.path.exists(series):
         with open(series) as f:
             env['patch_series'] = [line.strip() for line in f if line.strip()]
@@ -506,7 +509,7 @@ def _launch(spec, timeout):
         env.setdefault('PYTHONWARNINGS', 'ignore')
         if spec['config']['device'] == 'cpu':
             env['CUDA_VISIBLE_DEVICES'] = ''
-        # The script's own directory (tools/) is sys.path[0]; nothing else may shadow the tree.
+        # The script's directory (tools/maint/) is sys.path[0]; nothing else may shadow the tree.
         env.pop('PYTHONPATH', None)
         start = time.monotonic()
         proc = subprocess.run(

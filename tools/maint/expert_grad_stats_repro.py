@@ -7,9 +7,11 @@ gradient 1 the true global norm is sqrt(1 + world); with every gradient 0 the tr
 1 + world. Affected trees report sqrt(2) and 2 (the expert scalars are counted on dense TP rank 0
 only).
 
-Run (GPUs):  torchrun --nproc_per_node 2 tools/expert_grad_stats_repro.py --tree . --expect fixed
-Run (CPU):   torchrun --nproc_per_node 2 tools/expert_grad_stats_repro.py --tree . --expect fixed \
-                 --cpu     (gloo; needs tests/harness/cpu_redirect.py from this repository)
+Run (GPUs):  torchrun --nproc_per_node 2 tools/maint/expert_grad_stats_repro.py --tree . \
+                 --expect fixed
+Run (CPU):   torchrun --nproc_per_node 2 tools/maint/expert_grad_stats_repro.py --tree . \
+                 --expect fixed --cpu
+             (gloo; needs tests/harness/cpu_redirect.py from this repository)
 
 Prints one JSON report (rank 0) and exits 1 when the observed status differs from --expect, 2 when
 the imported megatron is not under --tree.
@@ -21,7 +23,7 @@ import math
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _parse():

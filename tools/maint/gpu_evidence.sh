@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU evidence in ONE device call: the world-1 GPU tier of the test suite (nccl) and the warmup
-# benchmark (tools/bench_warmup.py) at two model sizes; logs and JSON land in $OUT.
+# benchmark (tools/maint/bench_warmup.py) at two model sizes; logs and JSON land in $OUT.
 #
 # Usage (repository root; megatron/ and build/trees/pristine-0.18.2/megatron must exist there):
-#   tools/gpu_evidence.sh                      # on the GPU machine
-#   GPU_EVIDENCE_DRY=1 tools/gpu_evidence.sh   # dry run on CPU: gloo, tiny sizes, one quick test
+#   tools/maint/gpu_evidence.sh                      # on the GPU machine
+#   GPU_EVIDENCE_DRY=1 tools/maint/gpu_evidence.sh   # dry run on CPU: gloo, tiny sizes, one quick test
 #
 # Environment:
 #   OUT                   output folder (default /tmp/gpu-evidence); at most 8 files land there.
@@ -17,7 +17,7 @@
 #   with pip --no-index.
 # Exit status: 0 when every stage passed, else 1 (all stages run regardless).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu-evidence}
 DRY=${GPU_EVIDENCE_DRY:-0}
@@ -40,7 +40,8 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "hip", getattr(torch.version, "hip", None),
 "gpus", torch.cuda.device_count())'
-  echo "series: $(tr '\n' ' ' < patches/series)"
+  base=$(cat .pq/fork-base 2>/dev/null || echo '?')
+  echo "base: $base; series: $(tr '\n' ' ' < "patches/$base/series" 2>/dev/null)"
 } 2>&1 | tee "$OUT/env.txt"
 
 for tree in megatron/core build/trees/pristine-0.18.2/megatron/core; do
@@ -101,7 +102,7 @@ bench() {  # name timeout max_seconds args...
   local name=$1 tmo=$2 maxs=$3
   shift 3
   echo "== bench $name [t=$(elapsed)s]"
-  timeout "$tmo" "$PY" tools/bench_warmup.py --timeout $((tmo / 2)) --fork-tree . \
+  timeout "$tmo" "$PY" tools/maint/bench_warmup.py --timeout $((tmo / 2)) --fork-tree . \
     --pristine-tree build/trees/pristine-0.18.2 --out "$OUT/bench-$name.json" \
     --repeats "$REPEATS" --max-seconds "$maxs" --label "gpu_evidence $name" "$@" \
     2>&1 | tee "$OUT/bench-$name.log"

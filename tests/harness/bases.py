@@ -1,0 +1,97 @@
+"""Which upstream base the suite runs on, and what that base already contains.
+
+The base is ``FORK_TEST_BASE`` (a maintained base of patches/upstream.toml: 0.19.2, 0.18.2, or dev
+with ``FORK_TEST_DEV_REPO`` naming a Megatron-LM checkout); default: the pin's ``default`` (the
+newest release). Test modules use the labels below; the launcher maps them onto the selected
+base's trees:
+
+- ``FORK`` ('fork'): upstream BASE + ``patches/BASE/series``. That is the repository's
+  ``megatron/`` when it was materialized from BASE (so edits in progress are tested), else
+  ``build/trees/fork-BASE`` (rebuilt when the series changes).
+- ``PRISTINE`` ('pristine-BASE'): upstream BASE without patches.
+
+Where a base already contains a fix upstream (0004/0005 in 0.19.2), pristine and fork agree
+there; :func:`upstream_has` reads that from ``patches/changes.toml`` so a counterfactual test can
+assert agreement instead of a failure.
+"""
+
+import hashlib
+import os
+import tomllib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATCHES = os.path.join(REPO, 'patches')
+
+
+def _toml(name):
+    with open(os.path.join(PATCHES, name), 'rb') as f:
+        return tomllib.load(f)
+
+
+PIN = _toml('upstream.toml')
+CHANGES = _toml('changes.toml').get('changes', {})
+DEV_REPO = os.environ.get('FORK_TEST_DEV_REPO') or None
+BASE = os.environ.get('FORK_TEST_BASE') or PIN['default']
+if BASE not in PIN['maintained']:
+    raise RuntimeError(
+        f"FORK_TEST_BASE={BASE!r} is not a maintained base ({', '.join(PIN['maintained'])})"
+    )
+FORK = 'fork'
+PRISTINE = f'pristine-{BASE}'
+RELEASES = [b for b in PIN['maintained'] if 'commit' not in PIN['bases'][b]]
+
+
+def is_git_base(base):
+    """True when ``base`` is pinned as a Megatron-LM commit (needs FORK_TEST_DEV_REPO)."""
+    return 'commit' in PIN['bases'][base]
+
+
+def upstream_has(change, base=None):
+    """True when upstream ``base`` (default: the selected one) already contains ``change``.
+
+    Args:
+        change: a change slug of patches/changes.toml (the patches' ``Fork-Change:`` trailer),
+            e.g. 'expert-grad-stats'.
+        base: a maintained base name.
+    """
+    if change not in CHANGES:
+        raise KeyError(f'unknown change {change!r}; known: {", ".join(CHANGES)}')
+    return isinstance(CHANGES[change].get('bases', {}).get(base or BASE), dict)
+
+
+def carries(change, base=None):
+    """True when the fork's series of ``base`` (default: the selected one) carries ``change``."""
+    return CHANGES.get(change, {}).get('bases', {}).get(base or BASE) == 'carried'
+
+
+def series_digest(base):
+    """sha256 of ``patches/<base>/series`` entries and bytes (what a fork tree was built from)."""
+    root = os.path.join(PATCHES, base)
+    digest = hashlib.sha256()
+    with open(os.path.join(root, 'series')) as f:
+        entries = [line.split('#', 1)[0].strip() for line in f]
+    for entry in filter(None, entries):
+        digest.update(f'{entry}\n'.encode())
+        with open(os.path.join(root, entry), 'rb') as patch:
+            digest.update(patch.read())
+    return digest.hexdigest()
+
+
+def working_tree_base():
+    """The base the repository's megatron/ was materialized from (None if none)."""
+    path = os.path.join(REPO, '.pq', 'fork-base')
+    if not os.path.isdir(os.path.join(REPO, 'megatron')) or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def source_args(base):
+    """Extra tools/fork.py arguments to obtain ``base`` (the checkout for a git base)."""
+    if not is_git_base(base):
+        return []
+    if not DEV_REPO:
+        raise RuntimeError(
+            f'base {base} is a Megatron-LM commit: set FORK_TEST_DEV_REPO to a checkout'
+        )
+    return ['--git-repo', DEV_REPO]

@@ -1,0 +1,111 @@
+"""``check``: a base's series is consistent, applies with zero fuzz/offset, exports idempotently.
+
+Nothing here touches the developer's ``megatron/``: the series is applied in a private workspace.
+"""
+
+import re
+import tempfile
+from pathlib import Path
+
+from . import EXIT_FAILED, ForkError
+from . import queue as queue_mod
+from . import series as series_mod
+
+
+def _number(name):
+    m = re.match(r"^(\d{4})-", name.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def metadata_failures(base, patch_dir, changes):
+    """Return the problems of a base's series that need no upstream tree.
+
+    Args:
+        base: the base name.
+        patch_dir: its series directory.
+        changes: the change catalogue (``patches/changes.toml``), possibly empty.
+    """
+    failures = []
+    missing, extra = series_mod.series_mismatch(patch_dir)
+    rel = Path(patch_dir).name
+    failures += [f"patches/{rel}/series lists {n}, which does not exist" for n in missing]
+    failures += [f"patches/{rel}/{n} is not listed in patches/{rel}/series" for n in extra]
+    if missing:
+        return failures
+    patches = series_mod.load_series(patch_dir)
+    by_number = {c.get("number"): slug for slug, c in changes.items()}
+    seen = []
+    for patch in patches:
+        for req in patch.requires:
+            slug = by_number.get(_number(req))
+            upstream = slug and series_mod.upstream_record(changes, slug, base)
+            if req not in seen and not upstream:
+                failures.append(
+                    f"{patch.name} requires {req}, which is neither earlier in the series nor "
+                    f"upstream in {base}"
+                )
+        seen.append(patch.basename)
+        if not patch.upstream_status:
+            failures.append(f"{patch.name} has no Upstream-Status trailer")
+        group = patch.name.split("/")[0] if "/" in patch.name else None
+        if changes:
+            entry = changes.get(patch.change)
+            if not patch.change or entry is None:
+                failures.append(
+                    f"{patch.name}: Fork-Change trailer {patch.change!r} is not a change in "
+                    f"patches/{series_mod.CHANGES_FILE}"
+                )
+                continue
+            state = entry.get("bases", {}).get(base)
+            if state != "carried":
+                failures.append(
+                    f"{patch.name}: change {patch.change} is {state!r} for {base} in "
+                    f"{series_mod.CHANGES_FILE}, but the series carries it"
+                )
+            if group and group != entry.get("group"):
+                failures.append(
+                    f"{patch.name}: change {patch.change} belongs in group {entry.get('group')}/"
+                )
+    carried = {p.change for p in patches}
+    for slug, entry in changes.items():
+        if entry.get("bases", {}).get(base) == "carried" and slug not in carried:
+            failures.append(f"change {slug} is carried on {base} but no patch names it")
+    return failures
+
+
+def check_base(pin, base, ws=queue_mod.DEFAULT, source=None):
+    """Check base ``base``; return a one-line summary or raise ForkError (exit 1 or 5).
+
+    Args:
+        pin: the loaded pin.
+        base: a maintained base.
+        ws: the workspace whose ``patches/`` is checked.
+        source: forwarded to :func:`upstream.obtain_tree`.
+    """
+    patch_dir = ws.patch_dir(base)
+    changes = series_mod.load_changes(ws.patch_root)
+    failures = metadata_failures(base, patch_dir, changes)
+    if failures:
+        raise ForkError(f"check {base} failed:\n  " + "\n  ".join(failures), EXIT_FAILED)
+    with tempfile.TemporaryDirectory(prefix="fork-check-") as tmp:
+        private = queue_mod.Workspace(Path(tmp), patch_root=ws.patch_root)
+        queue_mod.materialize(pin, base, ws=private, force=True, **(source or {}))
+        rendered = queue_mod.render_patches(private)
+    drift = [n for n, t in rendered.items() if (patch_dir / n).read_text() != t]
+    if list(rendered) != series_mod.read_series(patch_dir):
+        drift.append("series")
+    if drift:
+        raise ForkError(
+            f"check {base} failed: export is not idempotent for "
+            + ", ".join(drift)
+            + " (run materialize + export and commit the result)",
+            EXIT_FAILED,
+        )
+    upstream = [
+        slug for slug in changes if series_mod.upstream_record(changes, slug, base) is not None
+    ]
+    note = f"; upstream: {', '.join(upstream)}" if upstream else ""
+    return (
+        f"check {base}: OK ({len(rendered)} patches apply with zero fuzz/offset; export "
+        f"idempotent{note})"
+    )
