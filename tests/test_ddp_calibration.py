@@ -140,6 +140,10 @@ def test_reset_drains_outstanding_reduce(ws, name):
         assert ref[0]['norms'] == pytest.approx(_ok(world['drain_ref'])[0]['norms'], rel=1e-12)
 
 
+# Pristine step-0 grad norms (ranks 0, 1) after two unfinished warm-up steps; see patch 0001.
+GLOO_INFLIGHT_STEP0 = [1.689679614651063, 1.9319652507130434]
+
+
 @pytest.mark.parametrize('ws', WS)
 def test_naive_warmup_then_reset_trains(ws):
     fork, pristine = _world(FORK, ws), _world(PRISTINE, ws)
@@ -161,10 +165,19 @@ def test_naive_warmup_then_reset_trains(ws):
     # the guard stops the fork at step 0's first registration.
     for res in pristine['warm2_inflight_noreset']:
         assert res['error'] == f'{NO_COMM_CALL} (4/4 params have grad available)'
-    step0 = [r['norms'][0] for r in _ok(pristine['warm2_inflight_step0'])]
-    if ws == 2:  # unreduced local grads: replicas disagree, both far from the reference
-        assert step0[0] != step0[1]
-        assert all(abs(n - r['norms'][0]) / r['norms'][0] > 0.10 for n, r in zip(step0, ref))
+    # Pristine's step 0 waits on the stale (already completed) warm-up handle instead of reducing
+    # its own grads, so it trains on each rank's unreduced local grads: exactly the local norm.
+    # The scenario lets the stale reduce finish before step 0 starts, so this is not a race.
+    step0 = _ok(pristine['warm2_inflight_step0'])
+    for res in step0:
+        assert res['norms'][0] == pytest.approx(res['local_norms'][0], rel=1e-6)
+    if ws == 2:  # replicas disagree, both far from the reference
+        assert step0[0]['local_norms'][0] != step0[1]['local_norms'][0]
+        assert all(
+            abs(r['norms'][0] - f['norms'][0]) / f['norms'][0] > 0.10 for r, f in zip(step0, ref)
+        )
+        if backend() == 'gloo':
+            assert [r['norms'][0] for r in step0] == pytest.approx(GLOO_INFLIGHT_STEP0, rel=1e-9)
     for res in fork['warm2_inflight_noreset']:
         assert res['error'].startswith(GUARD)
         assert 'recorded 2 (grad reduce in flight: True)' in res['error']

@@ -32,13 +32,16 @@ class _TinyNet(torch.nn.Module):
         return self.out(h)
 
 
+SEED = 1234
+
+
 def _build(ctx, expert=True, distopt=False, overlap_param_gather=False, bucket_size=None):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel()
-    torch.manual_seed(1234)
+    torch.manual_seed(SEED)
     module = _TinyNet(expert).to(ctx.device)
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
     ddp_config = DistributedDataParallelConfig(
@@ -59,6 +62,21 @@ def _batch(ctx, step, microbatch):
     x = torch.randn(4, 8, generator=gen).to(ctx.device)
     y = torch.randn(4, 4, generator=gen).to(ctx.device)
     return x, y
+
+
+def _local_grad_norm(ctx, step, microbatches, expert=True):
+    """Norm of this rank's own, unreduced and unscaled grads of a step (plain torch, no DDP).
+
+    The weights never change in these scenarios, so a fresh net with the same seed reproduces
+    them; this is what a DDP step computes when no reduce of its own runs.
+    """
+    torch.manual_seed(SEED)
+    net = _TinyNet(expert).to(ctx.device)
+    for mb in range(microbatches):
+        x, y = _batch(ctx, step, mb)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+    total = sum(p.grad.double().pow(2).sum() for p in net.parameters())
+    return math.sqrt(float(total))
 
 
 def _grad_norm(ddp, ctx):
@@ -225,11 +243,22 @@ def scenario_naive_warmup(
     """Warm-up steps without no_sync (golden = microbatches), then real steps with no_sync.
 
     reset=True calls model.reset_grad_ready_calibration() between them (AttributeError on a tree
-    without it). warmup_steps=0 is the reference run. Returns the real steps' grad norms.
+    without it). warmup_steps=0 is the reference run. Returns the real steps' grad norms and,
+    under 'local_norms', the norms of this rank's unreduced local grads of the same steps.
     """
     ddp = _build(ctx)
     for i in range(warmup_steps):
-        _step(ddp, ctx, 50 + i, microbatches=microbatches, no_sync=False, finish=warmup_finish)
+        # settle: a warm-up reduce left in flight has completed before the next step zeroes and
+        # refills the grad buffer (otherwise what the next step reads depends on timing).
+        _step(
+            ddp,
+            ctx,
+            50 + i,
+            microbatches=microbatches,
+            no_sync=False,
+            finish=warmup_finish,
+            settle=True,
+        )
     out = {'golden_after_warmup': None, 'reset': None}
     if warmup_steps:
         # Golden is frozen by the zero_grad_buffer() of the step after the first batch.
@@ -238,6 +267,7 @@ def scenario_naive_warmup(
         out['reset'] = list(ddp.reset_grad_ready_calibration())
     out['norms'] = [_step(ddp, ctx, s, microbatches=microbatches) for s in range(steps)]
     out['golden'] = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    out['local_norms'] = [_local_grad_norm(ctx, s, microbatches) for s in range(steps)]
     return out
 
 

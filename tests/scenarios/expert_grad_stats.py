@@ -18,6 +18,7 @@ import math
 import torch
 
 DENSE_REP, DENSE_TP_SHARD, EXPERT_REP, EXPERT_TP_SHARD = 3, 2, 3, 2
+SEED = 1234
 
 
 def layouts(world_size):
@@ -53,6 +54,8 @@ def _build(ctx, tp, ep, etp, shapes, expert_names, tp_names, use_distributed_opt
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(SEED)
 
     cfg = TransformerConfig(
         num_layers=1,
@@ -280,6 +283,7 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
+    torch.manual_seed(SEED)
     hidden, ffn = 4, 8
     kwargs = {}
     if ep > 1:
