@@ -374,9 +374,7 @@ def scenario_reset_drain_copies_back(ctx, reference=False):
         local = _main_grads(ddp)
         out['result'] = list(ddp.reset_grad_ready_calibration())
     main = _main_grads(ddp)
-    buffer = torch.cat(
-        [p.main_grad_copy_in_grad_buffer.double().reshape(-1) for p in params]
-    )
+    buffer = torch.cat([p.main_grad_copy_in_grad_buffer.double().reshape(-1) for p in params])
     out['main_grads'] = main.tolist()
     out['main_grad_equals_buffer'] = bool(torch.equal(main, buffer))
     out['main_grad_changed_by_reset'] = None if local is None else not torch.equal(main, local)

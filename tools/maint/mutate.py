@@ -189,6 +189,7 @@ def _raise_interrupted(signum, frame):
 
 
 def main(argv=None):
+    """Command line entry point; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
         description='Apply each mutation of the fix to megatron/, run its tests, restore.',
         epilog='Exit: 0 all killed, 1 a mutation survived or errored, 2 bad spec, 130 interrupted.',
