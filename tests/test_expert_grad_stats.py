@@ -8,6 +8,7 @@ Item 6 (EP = 1, ETP != TP, a gradient-sync problem the series does not fix) is p
 fork so that a change of behaviour is noticed; see docs/expert-grad-stats.md.
 """
 
+import importlib.util
 import math
 
 import pytest
@@ -34,6 +35,16 @@ EXACT = {
 }
 
 
+# The emerging-optimizer path of get_megatron_optimizer (optimizer='lion': the wrapper is built and
+# given its TP groups at a second call site). It needs the emerging-optimizers package, which the
+# CPU suite's requirements do not install; without it these arms are not registered and skip.
+HAVE_EMERGING = importlib.util.find_spec('emerging_optimizers') is not None
+EMERGING = {
+    'bf16_lion': dict(use_distributed_optimizer=False, dtype='bf16', optimizer='lion'),
+    'fp32_lion_pgc': dict(
+        use_distributed_optimizer=False, dtype='fp32', optimizer='lion', pg_collection=True
+    ),
+}
 TORCH_DTYPE = {'bf16': 'torch.bfloat16', 'fp16': 'torch.float16', 'fp32': 'torch.float32'}
 OPTIMIZER = {'bf16': 'Float16Optimizer', 'fp16': 'Float16Optimizer', 'fp32': 'FP32Optimizer'}
 
@@ -48,6 +59,9 @@ def _register(tree, world_size, with_layouts):
         name: call(world_size, tree, f'{MOD}:scenario_exact_oracle', **kwargs)
         for name, kwargs in EXACT.items()
     }
+    if HAVE_EMERGING and world_size == 2 and tree != 'pristine-0.19.2':
+        for name, kwargs in EMERGING.items():
+            calls[name] = call(world_size, tree, f'{MOD}:scenario_exact_oracle', **kwargs)
     if with_layouts:
         calls['layouts'] = call(
             world_size,
@@ -104,6 +118,19 @@ def test_fork_exact_oracle(world, name):
         # Both children carry both groups; the expert child's copies keep allreduce=False.
         assert all(res['children_tp_group_is_tp']) and all(res['children_expert_tp_group_is_etp'])
         assert False in res['expert_allreduce_seen']
+
+
+@pytest.mark.skipif(not HAVE_EMERGING, reason='emerging-optimizers is not installed')
+@pytest.mark.parametrize('name', list(EMERGING))
+def test_emerging_optimizer_path(name):
+    """The emerging-optimizer call site attaches both groups too; pristine 0.18.2 undercounts."""
+    fork, pristine = _world('fork', 2)[name], _world('pristine-0.18.2', 2)[name]
+    _check_exact(fork, 2, expect_fixed=True)
+    _check_exact(pristine, 2, expect_fixed=False)
+    for res in fork:
+        expected = OPTIMIZER[name.split('_')[0]]
+        assert len(res['children']) == 2 and all(c.startswith(expected) for c in res['children'])
+        assert all(res['children_tp_group_is_tp']) and all(res['children_expert_tp_group_is_etp'])
 
 
 @pytest.mark.parametrize('world', [1, 2, 4])

@@ -63,6 +63,7 @@ def _build(
     use_distributed_optimizer,
     dtype='bf16',
     pg_collection=False,
+    optimizer='adam',
 ):
     """DDP-wrap the parameters and build the standard optimizer (chained dense + expert).
 
@@ -71,6 +72,8 @@ def _build(
             (FP32Optimizer, or the DistributedOptimizer's fp32 branch).
         pg_collection: pass ProcessGroupCollection.use_mpu_process_groups() explicitly to
             get_megatron_optimizer instead of letting it read the global parallel state.
+        optimizer: 'adam', or an emerging optimizer such as 'lion' (needs the
+            emerging-optimizers package; get_megatron_optimizer then takes its emerging path).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -94,7 +97,7 @@ def _build(
         cfg, ddp_cfg, _Params(shapes, expert_names, tp_names, ctx.device, dtype)
     )
     opt_cfg = OptimizerConfig(
-        optimizer='adam',
+        optimizer=optimizer,
         lr=0.0,
         bf16=dtype == 'bf16',
         fp16=dtype == 'fp16',
@@ -151,11 +154,13 @@ def _groups(ctx):
     }
 
 
-def scenario_exact_oracle(ctx, use_distributed_optimizer, dtype='bf16', pg_collection=False):
+def scenario_exact_oracle(
+    ctx, use_distributed_optimizer, dtype='bf16', pg_collection=False, optimizer='adam'
+):
     """TP = EP = world, ETP = 1: one replicated dense scalar, one distinct expert scalar per rank.
 
     Expected: grads all 1 -> norm sqrt(1 + world); grads all 0 -> zero count 1 + world.
-    dtype and pg_collection are passed to _build.
+    dtype, pg_collection and optimizer are passed to _build.
     """
     from megatron.core import parallel_state as ps
 
@@ -176,6 +181,7 @@ def scenario_exact_oracle(ctx, use_distributed_optimizer, dtype='bf16', pg_colle
         use_distributed_optimizer,
         dtype=dtype,
         pg_collection=pg_collection,
+        optimizer=optimizer,
     )
     ones = _stats(model, optimizer, {'dense': torch.ones(1), 'expert': torch.ones(1)})
     zeros = _stats(model, optimizer, {'dense': torch.zeros(1), 'expert': torch.zeros(1)})
