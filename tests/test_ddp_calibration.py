@@ -38,6 +38,18 @@ FORK_CALLS = {
         {'warmup_steps': 2, 'warmup_finish': False, 'reset': False},
     ),
     'legit': ('scenario_legit_registrations', {}),
+    'gather_drain': ('scenario_reset_drains_param_gather', {}),
+    'gather_drain_ref': ('scenario_reset_drains_param_gather', {'reference': True}),
+    'gather_drain_many': ('scenario_reset_drains_param_gather', {'bucket_size': 1}),
+    'gather_drain_many_ref': (
+        'scenario_reset_drains_param_gather',
+        {'reference': True, 'bucket_size': 1},
+    ),
+    'copyback': ('scenario_reset_drain_copies_back', {}),
+    'copyback_ref': ('scenario_reset_drain_copies_back', {'reference': True}),
+    'bound_g1': ('scenario_guard_boundary', {'golden': 1, 'registrations': 2}),
+    'bound_g2': ('scenario_guard_boundary', {'golden': 2, 'registrations': 3}),
+    'bound_g2_ok': ('scenario_guard_boundary', {'golden': 2, 'registrations': 2}),
 }
 PRISTINE_CALLS = {
     name: FORK_CALLS[name]
@@ -50,6 +62,11 @@ PRISTINE_CALLS = {
         'warm_noreset',
         'warm2_inflight_noreset',
         'legit',
+        'gather_drain',
+        'copyback',
+        'bound_g1',
+        'bound_g2',
+        'bound_g2_ok',
     )
 }
 PRISTINE_CALLS['warm2_inflight_step0'] = (
@@ -94,6 +111,7 @@ def _constructor_state(state):
         'is_last_microbatch': True,
         'handle_outstanding': False,
         'param_gather_dispatched': False,
+        'param_gather_outstanding': False,
         'grad_reduce_finished': False,
     }
 
@@ -116,7 +134,7 @@ def test_reset_restores_calibration_on_fork(ws, name, groups):
 @pytest.mark.parametrize('ws', WS)
 def test_pristine_has_no_reset_api(ws):
     world = _world(PRISTINE, ws)
-    for name in ('restore', 'warm_reset'):
+    for name in ('restore', 'warm_reset', 'gather_drain', 'copyback'):
         for res in world[name]:
             assert res.get('error') == NO_API
 
@@ -141,6 +159,70 @@ def test_reset_drains_outstanding_reduce(ws, name):
 
 
 @pytest.mark.parametrize('ws', WS)
+@pytest.mark.parametrize('name', ['gather_drain', 'gather_drain_many'])
+def test_reset_drains_outstanding_param_gather(ws, name):
+    """Param all-gathers in flight (as after optimizer.step with overlap_param_gather) are
+    completed by the reset; left in flight, the next forward's pre-hook would dispatch a second
+    all-gather over the outstanding one ("assert self.param_gather_handle is None")."""
+    world = _world(FORK, ws)
+    ref = _ok(world[f'{name}_ref'])
+    for rank, res in enumerate(_ok(world[name])):
+        n = res['num_groups']
+        assert n == (2 if name == 'gather_drain' else 6)
+        assert res['result'] == [n, n]
+        for before, after in zip(res['before'], res['after']):
+            assert before['param_gather_outstanding'] and before['param_gather_dispatched']
+            assert not before['handle_outstanding']
+            _constructor_state(after)
+        assert res['norms'] == ref[rank]['norms']
+        assert all(g and set(g) == {1} for g in res['golden_after'])
+
+
+@pytest.mark.parametrize('ws', WS)
+def test_reset_drain_copies_back_fp32_main_grads(ws):
+    """A reduce drained by the reset ends like finish_grad_sync: the reduced grads are copied
+    from the bf16 buffer into the separate fp32 main_grads the optimizer reads."""
+    world = _world(FORK, ws)
+    ref = _ok(world['copyback_ref'])
+    for rank, res in enumerate(_ok(world['copyback'])):
+        assert res['extra_main_grads'] == res['num_params'] == 6
+        assert res['main_grad_dtypes'] == ['torch.float32']
+        assert res['result'] == [2, 2]
+        assert res['main_grad_equals_buffer'] and ref[rank]['main_grad_equals_buffer']
+        assert res['main_grads'] == ref[rank]['main_grads']
+        # Steps 0 and 2 (the reference also finished step 1).
+        assert res['norms'] == [ref[rank]['norms'][0], ref[rank]['norms'][2]]
+        if ws == 2:  # the reduced grads differ from this rank's local accumulation
+            assert res['main_grad_changed_by_reset']
+
+
+@pytest.mark.parametrize('ws', WS)
+def test_guard_boundary_without_reduce_in_flight(ws):
+    """The count check alone, at its exact boundary: golden + 1 registrations raise while no
+    reduce is in flight yet, golden registrations train. Pristine dispatches nothing and only
+    fails at finish_grad_sync with the generic assertion."""
+    fork, pristine = _world(FORK, ws), _world(PRISTINE, ws)
+    for golden, name in ((1, 'bound_g1'), (2, 'bound_g2')):
+        for res in fork[name]:
+            assert res['norm'] is None
+            assert res['raised'].startswith(GUARD)
+            assert 'a param of shape (4, 16) registered' in res['raised']
+            assert f'ready {golden + 1} time(s) in this batch' in res['raised']
+            assert f'recorded {golden} (grad reduce in flight: False)' in res['raised']
+        for res in pristine[name]:
+            assert res['norm'] is None
+            assert res['raised'] == f'{NO_COMM_CALL} (4/4 params have grad available)'
+    for f, p in zip(_ok(fork['bound_g2_ok']), _ok(pristine['bound_g2_ok'])):
+        assert f['golden'] == [[1, 1, 1, 2], [1, 1]]
+        assert f['raised'] is None and p['raised'] is None
+        assert f['norm'] == p['norm'] and f['calibration_norm'] == p['calibration_norm']
+
+
+# Pristine step-0 grad norms (ranks 0, 1) after two unfinished warm-up steps; see patch 0001.
+GLOO_INFLIGHT_STEP0 = [1.689679614651063, 1.9319652507130434]
+
+
+@pytest.mark.parametrize('ws', WS)
 def test_naive_warmup_then_reset_trains(ws):
     fork, pristine = _world(FORK, ws), _world(PRISTINE, ws)
     ref = _ok(fork['warm_ref'])
@@ -161,10 +243,19 @@ def test_naive_warmup_then_reset_trains(ws):
     # the guard stops the fork at step 0's first registration.
     for res in pristine['warm2_inflight_noreset']:
         assert res['error'] == f'{NO_COMM_CALL} (4/4 params have grad available)'
-    step0 = [r['norms'][0] for r in _ok(pristine['warm2_inflight_step0'])]
-    if ws == 2:  # unreduced local grads: replicas disagree, both far from the reference
-        assert step0[0] != step0[1]
-        assert all(abs(n - r['norms'][0]) / r['norms'][0] > 0.10 for n, r in zip(step0, ref))
+    # Pristine's step 0 waits on the stale (already completed) warm-up handle instead of reducing
+    # its own grads, so it trains on each rank's unreduced local grads: exactly the local norm.
+    # The scenario lets the stale reduce finish before step 0 starts, so this is not a race.
+    step0 = _ok(pristine['warm2_inflight_step0'])
+    for res in step0:
+        assert res['norms'][0] == pytest.approx(res['local_norms'][0], rel=1e-6)
+    if ws == 2:  # replicas disagree, both far from the reference
+        assert step0[0]['local_norms'][0] != step0[1]['local_norms'][0]
+        assert all(
+            abs(r['norms'][0] - f['norms'][0]) / f['norms'][0] > 0.10 for r, f in zip(step0, ref)
+        )
+        if backend() == 'gloo':
+            assert [r['norms'][0] for r in step0] == pytest.approx(GLOO_INFLIGHT_STEP0, rel=1e-9)
     for res in fork['warm2_inflight_noreset']:
         assert res['error'].startswith(GUARD)
         assert 'recorded 2 (grad reduce in flight: True)' in res['error']

@@ -8,6 +8,7 @@ Item 6 (EP = 1, ETP != TP, a gradient-sync problem the series does not fix) is p
 fork so that a change of behaviour is noticed; see docs/expert-grad-stats.md.
 """
 
+import importlib.util
 import math
 
 import pytest
@@ -20,24 +21,59 @@ SEEDS = [1, 2, 3]
 REL = 1e-6
 
 
+# Exact-oracle arms: name -> kwargs. bf16 is what the layouts use; fp16 and fp32 take other
+# optimizer code paths (Float16Optimizer with a loss scaler; FP32Optimizer and the
+# DistributedOptimizer's fp32 shard branch); pg_collection passes the process groups explicitly.
+EXACT = {
+    f'{dtype}_{"distopt" if distopt else "local"}{"_pgc" if pgc else ""}': dict(
+        use_distributed_optimizer=distopt, dtype=dtype, pg_collection=pgc
+    )
+    for dtype in ('bf16', 'fp16', 'fp32')
+    for distopt in (False, True)
+    for pgc in (False, True)
+    if not pgc or dtype == 'bf16'
+}
+
+
+# The emerging-optimizer path of get_megatron_optimizer (optimizer='lion': the wrapper is built and
+# given its TP groups at a second call site). It needs the emerging-optimizers package, which the
+# CPU suite's requirements do not install; without it these arms are not registered and skip.
+HAVE_EMERGING = importlib.util.find_spec('emerging_optimizers') is not None
+EMERGING = {
+    'bf16_lion': dict(use_distributed_optimizer=False, dtype='bf16', optimizer='lion'),
+    'fp32_lion_pgc': dict(
+        use_distributed_optimizer=False, dtype='fp32', optimizer='lion', pg_collection=True
+    ),
+}
+TORCH_DTYPE = {'bf16': 'torch.bfloat16', 'fp16': 'torch.float16', 'fp32': 'torch.float32'}
+OPTIMIZER = {'bf16': 'Float16Optimizer', 'fp16': 'Float16Optimizer', 'fp32': 'FP32Optimizer'}
+
+
 def _register(tree, world_size, with_layouts):
-    """Register this module's calls for (tree, world_size); they share the launch of that world."""
-    calls = [
-        call(world_size, tree, f'{MOD}:scenario_exact_oracle', use_distributed_optimizer=False),
-        call(world_size, tree, f'{MOD}:scenario_exact_oracle', use_distributed_optimizer=True),
-    ]
+    """Register this module's calls for (tree, world_size); they share the launch of that world.
+
+    Returns:
+        dict name -> call: the EXACT arms, then 'layouts' and 'item6' where they apply.
+    """
+    calls = {
+        name: call(world_size, tree, f'{MOD}:scenario_exact_oracle', **kwargs)
+        for name, kwargs in EXACT.items()
+    }
+    if HAVE_EMERGING and world_size == 2 and tree != 'pristine-0.19.2':
+        for name, kwargs in EMERGING.items():
+            calls[name] = call(world_size, tree, f'{MOD}:scenario_exact_oracle', **kwargs)
     if with_layouts:
-        calls.append(
-            call(
-                world_size,
-                tree,
-                f'{MOD}:scenario_layouts',
-                layout_list=layouts(world_size),
-                seeds=SEEDS,
-            )
+        calls['layouts'] = call(
+            world_size,
+            tree,
+            f'{MOD}:scenario_layouts',
+            layout_list=layouts(world_size),
+            seeds=SEEDS,
         )
     if world_size == 2 and tree == 'fork':
-        calls.append(call(world_size, tree, f'{MOD}:scenario_expert_layer_sync', tp=2, ep=1, etp=1))
+        calls['item6'] = call(
+            world_size, tree, f'{MOD}:scenario_expert_layer_sync', tp=2, ep=1, etp=1
+        )
     return calls
 
 
@@ -50,41 +86,56 @@ CALLS = {
 CALLS[('fork', 1)] = _register('fork', 1, True)
 
 
-def _world(tree, world_size, with_layouts=None):
-    """Per-call, per-rank results for (tree, world_size), failing on any rank error."""
-    results = [c.result() for c in CALLS[(tree, world_size)]]
-    for per_rank in results:
+def _world(tree, world_size):
+    """Per-call name -> per-rank results for (tree, world_size), failing on any rank error."""
+    results = {name: c.result() for name, c in CALLS[(tree, world_size)].items()}
+    for name, per_rank in results.items():
         for rank, res in enumerate(per_rank):
-            assert 'error' not in res, f'{tree} world {world_size} rank {rank}: {res["error"]}'
+            where = f'{tree} world {world_size} {name} rank {rank}'
+            assert 'error' not in res, f'{where}: {res.get("error")}'
     return results
 
 
-def _check_exact(results, world, expect_fixed):
+def _check_exact(per_rank, world, expect_fixed):
     norm = math.sqrt(1 + world) if expect_fixed else math.sqrt(2)
     zeros = 1 + world if expect_fixed else 2
-    for per_rank in results[:2]:
-        for res in per_rank:
-            assert not res['found_inf']
-            assert res['norm'] == pytest.approx(norm, rel=REL), res
-            assert res['zeros'] == zeros, res
+    for res in per_rank:
+        assert not res['found_inf']
+        assert res['norm'] == pytest.approx(norm, rel=REL), res
+        assert res['zeros'] == zeros, res
 
 
 @pytest.mark.parametrize('world', [1, 2, 4])
-def test_fork_exact_oracle(world):
-    results = _world('fork', world, True)
-    _check_exact(results, world, expect_fixed=True)
-    for per_rank in results[:2]:
-        for res in per_rank:
-            # Both children carry both groups; the expert child's copies keep allreduce=False.
-            assert all(res['children_tp_group_is_tp']) and all(
-                res['children_expert_tp_group_is_etp']
-            )
-            assert False in res['expert_allreduce_seen']
+@pytest.mark.parametrize('name', list(EXACT))
+def test_fork_exact_oracle(world, name):
+    per_rank = _world('fork', world)[name]
+    _check_exact(per_rank, world, expect_fixed=True)
+    dtype = name.split('_')[0]
+    for res in per_rank:
+        assert res['param_dtypes'] == [TORCH_DTYPE[dtype]]
+        expected = 'DistributedOptimizer' if 'distopt' in name else OPTIMIZER[dtype]
+        assert all(c.startswith(expected) for c in res['children']), res['children']
+        # Both children carry both groups; the expert child's copies keep allreduce=False.
+        assert all(res['children_tp_group_is_tp']) and all(res['children_expert_tp_group_is_etp'])
+        assert False in res['expert_allreduce_seen']
+
+
+@pytest.mark.skipif(not HAVE_EMERGING, reason='emerging-optimizers is not installed')
+@pytest.mark.parametrize('name', list(EMERGING))
+def test_emerging_optimizer_path(name):
+    """The emerging-optimizer call site attaches both groups too; pristine 0.18.2 undercounts."""
+    fork, pristine = _world('fork', 2)[name], _world('pristine-0.18.2', 2)[name]
+    _check_exact(fork, 2, expect_fixed=True)
+    _check_exact(pristine, 2, expect_fixed=False)
+    for res in fork:
+        expected = OPTIMIZER[name.split('_')[0]]
+        assert len(res['children']) == 2 and all(c.startswith(expected) for c in res['children'])
+        assert all(res['children_tp_group_is_tp']) and all(res['children_expert_tp_group_is_etp'])
 
 
 @pytest.mark.parametrize('world', [1, 2, 4])
 def test_fork_layouts_match_fp64_oracle(world):
-    per_rank = _world('fork', world, True)[2]
+    per_rank = _world('fork', world)['layouts']
     cases = per_rank[0]['cases']
     assert {tuple(c['layout']) for c in cases} == set(layouts(world))
     assert any(c['layout'][1] > 1 and c['layout'][2] > 1 for c in cases) or world < 4
@@ -100,17 +151,22 @@ def test_fork_layouts_match_fp64_oracle(world):
 
 @pytest.mark.parametrize('world', [2, 4])
 def test_pristine_0_19_2_agrees(world):
-    _check_exact(_world('pristine-0.19.2', world, False), world, expect_fixed=True)
+    """Upstream's fix (0.19.2) gives the same values in every dtype / optimizer / pg arm."""
+    results = _world('pristine-0.19.2', world)
+    for name in EXACT:
+        _check_exact(results[name], world, expect_fixed=True)
 
 
 @pytest.mark.parametrize('world', [2, 4])
-def test_pristine_0_18_2_undercounts(world):
-    _check_exact(_world('pristine-0.18.2', world, False), world, expect_fixed=False)
+@pytest.mark.parametrize('name', list(EXACT))
+def test_pristine_0_18_2_undercounts(world, name):
+    """Counterfactual for every dtype / optimizer / pg_collection arm: sqrt(2) and 2."""
+    _check_exact(_world('pristine-0.18.2', world)[name], world, expect_fixed=False)
 
 
 def test_fork_item6_ep1_etp_ne_tp_still_dense_synced():
     """Known, documented limitation: TP2/EP1/ETP1 expert params are synced as dense params."""
-    per_rank = _world('fork', 2, True)[3]
+    per_rank = _world('fork', 2)['item6']
     for rank, res in enumerate(per_rank):
         assert set(res['allreduce'].values()) == {True}
         assert set(res['buffer'].values()) == {'dense'}
@@ -123,7 +179,7 @@ def test_fork_item6_ep1_etp_ne_tp_still_dense_synced():
 def test_pristine_0_18_2_layouts_disagree_with_fp64_oracle(world):
     """Counterfactual of the property test: pristine 0.18.2 is wrong exactly where experts are
     deduplicated over the wrong group, and right where there is nothing to deduplicate."""
-    cases = _world('pristine-0.18.2', world, True)[2][0]['cases']
+    cases = _world('pristine-0.18.2', world)['layouts'][0]['cases']
     bad = {
         tuple(c['layout'])
         for c in cases

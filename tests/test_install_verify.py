@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+BASE = "0.18.2"
+PRISTINE = f"pristine-{BASE}"
 
 
 def _installed_root():
@@ -35,9 +37,23 @@ def _installed_root():
 
 
 INSTALLED = _installed_root()
-needs_install = pytest.mark.skipif(
-    INSTALLED is None, reason="the fork is not installed here (tools/install.sh installs it)"
-)
+
+
+@pytest.fixture
+def installed():
+    """The installed fork's site directory; a failure (never a skip) when it is missing.
+
+    tools/test.sh (and so CI) installs the fork before running the suite, so a missing install
+    there is a broken install step that must not pass as a skip.
+    """
+    if INSTALLED is None:
+        pytest.fail(
+            f"the fork is not installed for {sys.executable} (no megatron_fork with a "
+            "manifest.json importable outside the checkout); run tools/install.sh, as "
+            "tools/test.sh does",
+            pytrace=False,
+        )
+    return INSTALLED
 
 
 def verify(env=None, args=()):
@@ -51,38 +67,35 @@ def verify(env=None, args=()):
     )
 
 
-@needs_install
-def test_verify_passes_on_the_install_and_ships_no_test_redirect():
+def test_verify_passes_on_the_install_and_ships_no_test_redirect(installed):
     proc = verify()
     assert proc.returncode == 0, proc.stdout
     assert "verify: OK" in proc.stdout
-    manifest = json.loads((INSTALLED / "megatron_fork" / "manifest.json").read_text())
-    assert manifest["version"].startswith("0.18.2+fork.")
+    manifest = json.loads((installed / "megatron_fork" / "manifest.json").read_text())
+    assert manifest["version"].startswith(f"{BASE}+fork.")
     assert [p["name"] for p in manifest["patches"]] == (
         REPO / "patches" / "series"
     ).read_text().split()
     assert not [f for f in manifest["files"] if "harness" in f or "cpu_redirect" in f]
-    assert not list((INSTALLED / "megatron").rglob("cpu_redirect*"))
+    assert not list((installed / "megatron").rglob("cpu_redirect*"))
 
 
-@needs_install
-def test_verify_catches_upstream_megatron_core_shadowing_the_fork():
-    pristine = REPO / "build" / "trees" / "pristine-0.18.2"
+def test_verify_catches_upstream_megatron_core_shadowing_the_fork(installed):
+    pristine = REPO / "build" / "trees" / PRISTINE
     if not (pristine / "megatron").is_dir():
         subprocess.run(
-            [sys.executable, str(REPO / "tools" / "fork.py"), "pristine", "0.18.2"], check=True
+            [sys.executable, str(REPO / "tools" / "fork.py"), "pristine", BASE], check=True
         )
     proc = verify(env={"PYTHONPATH": str(pristine)})
     assert proc.returncode == 1
     assert "SHADOWED: megatron.core at" in proc.stdout and "verify: FAILED" in proc.stdout
 
 
-@needs_install
-def test_verify_names_modified_missing_and_test_only_files(tmp_path):
+def test_verify_names_modified_missing_and_test_only_files(installed, tmp_path):
     site = tmp_path / "site"
-    shutil.copytree(INSTALLED / "megatron_fork", site / "megatron_fork")
+    shutil.copytree(installed / "megatron_fork", site / "megatron_fork")
     shutil.copytree(
-        INSTALLED / "megatron", site / "megatron", ignore=shutil.ignore_patterns("*.so")
+        installed / "megatron", site / "megatron", ignore=shutil.ignore_patterns("*.so")
     )
     target = site / "megatron" / "core" / "distributed" / "param_and_grad_buffer.py"
     target.write_text(target.read_text() + "# local edit\n")

@@ -28,13 +28,18 @@ def workflow_files():
     )
 
 
-def load_workflow(path):
-    """Parses a workflow with YAML 1.1 quirks undone: the key `on` must stay a string."""
-    with open(path) as fh:
-        data = yaml.safe_load(fh)
+def parse_workflow(text):
+    """Parses workflow text with YAML 1.1 quirks undone: the key `on` must stay a string."""
+    data = yaml.safe_load(text)
     if True in data:  # PyYAML reads a bare `on:` key as the boolean True
         data['on'] = data.pop(True)
     return data
+
+
+def load_workflow(path):
+    """Parses a workflow file (see parse_workflow)."""
+    with open(path) as fh:
+        return parse_workflow(fh.read())
 
 
 def iter_uses(node):
@@ -77,17 +82,26 @@ def test_workflow_matches_schema(validator, path):
     assert not errors, '\n'.join(f"{list(e.path)}: {e.message}" for e in errors[:10])
 
 
-@pytest.mark.parametrize('path', workflow_files(), ids=os.path.basename)
-def test_every_action_pinned_by_sha(path):
-    uses = list(iter_uses(load_workflow(path)))
-    bad = [u for u in uses if not (u.startswith('./') or SHA_PIN.match(u))]
-    assert not bad, f'actions not pinned to a 40-hex commit: {bad}'
-    with open(path) as fh:
-        text = fh.read()
+def pin_findings(text):
+    """What the pin rule finds in one workflow's text: every remote action must be pinned to a
+    40-hex commit and carry a `# vX` comment naming the release."""
+    findings = [
+        f'not pinned to a 40-hex commit: {u}'
+        for u in iter_uses(parse_workflow(text))
+        if not (u.startswith('./') or SHA_PIN.match(u))
+    ]
     for line in text.splitlines():
         if re.search(r'\buses:\s*[^.\s]', line):
-            pinned = re.search(r'@[0-9a-f]{40}\s+#\s*v\d', line)
-            assert pinned, f'no version comment: {line.strip()}'
+            if not re.search(r'@[0-9a-f]{40}\s+#\s*v\d', line):
+                findings.append(f'no version comment: {line.strip()}')
+    return findings
+
+
+@pytest.mark.parametrize('path', workflow_files(), ids=os.path.basename)
+def test_every_action_pinned_by_sha(path):
+    with open(path) as fh:
+        findings = pin_findings(fh.read())
+    assert not findings, findings
 
 
 def test_validator_rejects_a_broken_workflow(validator):
@@ -96,10 +110,32 @@ def test_validator_rejects_a_broken_workflow(validator):
     assert list(validator.iter_errors(broken))
 
 
-def test_sha_rule_rejects_tags():
-    """Counterfactual for the pin rule."""
-    assert not SHA_PIN.match('actions/checkout@v4')
-    assert SHA_PIN.match('actions/checkout@' + 'a' * 40)
+def test_pin_rule_rejects_tags_and_missing_release_comments():
+    """Counterfactual for the pin rule: the same check the workflows pass, on a workflow that
+    breaks it in each way (and with the forms it must accept)."""
+    sha = '0123456789abcdef0123456789abcdef01234567'
+    text = f"""on: push
+jobs:
+  x:
+    runs-on: ubuntu-latest
+    steps:
+      - uses: actions/checkout@v4
+      - uses: actions/setup-python@{sha}
+      - uses: actions/cache@{sha[:12]}  # v4.2.0
+      - uses: actions/upload-artifact@{sha}  # v4.6.2
+      - uses: ./.github/actions/local
+  y:
+    uses: org/repo/.github/workflows/reusable.yml@main
+"""
+    assert pin_findings(text) == [
+        'not pinned to a 40-hex commit: actions/checkout@v4',
+        f'not pinned to a 40-hex commit: actions/cache@{sha[:12]}',
+        'not pinned to a 40-hex commit: org/repo/.github/workflows/reusable.yml@main',
+        'no version comment: - uses: actions/checkout@v4',
+        f'no version comment: - uses: actions/setup-python@{sha}',
+        f'no version comment: - uses: actions/cache@{sha[:12]}  # v4.2.0',
+        'no version comment: uses: org/repo/.github/workflows/reusable.yml@main',
+    ]
 
 
 def test_series_matrix_covers_the_bases():

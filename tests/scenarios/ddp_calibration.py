@@ -32,20 +32,47 @@ class _TinyNet(torch.nn.Module):
         return self.out(h)
 
 
-def _build(ctx, expert=True, distopt=False, overlap_param_gather=False, bucket_size=None):
+SEED = 1234
+
+
+def _build(
+    ctx,
+    expert=True,
+    distopt=False,
+    overlap_param_gather=False,
+    bucket_size=None,
+    fp32_local_accumulation=False,
+):
+    """The DDP-wrapped _TinyNet (overlap_grad_reduce=True).
+
+    Args:
+        fp32_local_accumulation: bf16 params whose grads accumulate locally in separate fp32
+            main_grads (param_name_patterns_for_fp32_local_accumulation=('all',)); the grad
+            buffer is bf16 and finish_grad_sync copies the reduced grads back into main_grad.
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel()
-    torch.manual_seed(1234)
-    module = _TinyNet(expert).to(ctx.device)
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    torch.manual_seed(SEED)
+    dtype = torch.bfloat16 if fp32_local_accumulation else torch.float32
+    module = _TinyNet(expert).to(device=ctx.device, dtype=dtype)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=1,
+        bf16=fp32_local_accumulation,
+        params_dtype=dtype,
+    )
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True,
         use_distributed_optimizer=distopt,
         overlap_param_gather=overlap_param_gather,
         bucket_size=bucket_size,
+        param_name_patterns_for_fp32_local_accumulation=(
+            ('all',) if fp32_local_accumulation else ()
+        ),
     )
     return DistributedDataParallel(config, ddp_config, module)
 
@@ -59,6 +86,21 @@ def _batch(ctx, step, microbatch):
     x = torch.randn(4, 8, generator=gen).to(ctx.device)
     y = torch.randn(4, 4, generator=gen).to(ctx.device)
     return x, y
+
+
+def _local_grad_norm(ctx, step, microbatches, expert=True):
+    """Norm of this rank's own, unreduced and unscaled grads of a step (plain torch, no DDP).
+
+    The weights never change in these scenarios, so a fresh net with the same seed reproduces
+    them; this is what a DDP step computes when no reduce of its own runs.
+    """
+    torch.manual_seed(SEED)
+    net = _TinyNet(expert).to(ctx.device)
+    for mb in range(microbatches):
+        x, y = _batch(ctx, step, mb)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+    total = sum(p.grad.double().pow(2).sum() for p in net.parameters())
+    return math.sqrt(float(total))
 
 
 def _grad_norm(ddp, ctx):
@@ -85,12 +127,16 @@ def _step(
     extra_backward=False,
     force=False,
     settle=False,
+    pre_backwards=0,
 ):
     """Run one batch; returns the global grad norm after finish_grad_sync (None if not finished).
 
     Args:
         extra_backward: after the last microbatch, run a second backward through out.weight only,
             so that param registers twice per batch (a legitimate golden count of 2).
+        pre_backwards: in the last microbatch, run this many backwards through out.weight only
+            before the loss backward (out.weight registers 1 + pre_backwards times, the other
+            params once).
         force: set ddp.force_all_reduce for this batch.
         settle: after each microbatch, wait on grad reduces already in flight (handles are kept),
             so a reduce dispatched early always completes before the next microbatch's grads
@@ -103,7 +149,11 @@ def _step(
         sync_ctx = ddp.no_sync() if (no_sync and not last) else contextlib.nullcontext()
         with sync_ctx:
             x, y = _batch(ctx, step, mb)
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            if last:
+                for _ in range(pre_backwards):
+                    (ddp.module.out.weight.float().pow(2).sum() * 1e-2).backward()
+            out = ddp(x.to(ddp.module.out.weight.dtype)).float()
+            loss = torch.nn.functional.mse_loss(out, y)
             loss.backward()
             if extra_backward and last:
                 (ddp.module.out.weight.pow(2).sum() * 1e-2).backward()
@@ -126,6 +176,7 @@ def _state(group):
         'is_last_microbatch': group.is_last_microbatch,
         'handle_outstanding': group.grad_reduce_handle is not None,
         'param_gather_dispatched': group.param_gather_dispatched,
+        'param_gather_outstanding': group.param_gather_handle is not None,
         'grad_reduce_finished': group.grad_reduce_finished,
     }
 
@@ -225,11 +276,22 @@ def scenario_naive_warmup(
     """Warm-up steps without no_sync (golden = microbatches), then real steps with no_sync.
 
     reset=True calls model.reset_grad_ready_calibration() between them (AttributeError on a tree
-    without it). warmup_steps=0 is the reference run. Returns the real steps' grad norms.
+    without it). warmup_steps=0 is the reference run. Returns the real steps' grad norms and,
+    under 'local_norms', the norms of this rank's unreduced local grads of the same steps.
     """
     ddp = _build(ctx)
     for i in range(warmup_steps):
-        _step(ddp, ctx, 50 + i, microbatches=microbatches, no_sync=False, finish=warmup_finish)
+        # settle: a warm-up reduce left in flight has completed before the next step zeroes and
+        # refills the grad buffer (otherwise what the next step reads depends on timing).
+        _step(
+            ddp,
+            ctx,
+            50 + i,
+            microbatches=microbatches,
+            no_sync=False,
+            finish=warmup_finish,
+            settle=True,
+        )
     out = {'golden_after_warmup': None, 'reset': None}
     if warmup_steps:
         # Golden is frozen by the zero_grad_buffer() of the step after the first batch.
@@ -238,6 +300,7 @@ def scenario_naive_warmup(
         out['reset'] = list(ddp.reset_grad_ready_calibration())
     out['norms'] = [_step(ddp, ctx, s, microbatches=microbatches) for s in range(steps)]
     out['golden'] = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    out['local_norms'] = [_local_grad_norm(ctx, s, microbatches) for s in range(steps)]
     return out
 
 
@@ -253,3 +316,89 @@ def scenario_legit_registrations(ctx, steps=3):
         norms.append(_step(ddp, ctx, s, extra_backward=True, force=(s == 2)))
     golden = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
     return {'norms': norms, 'golden': golden}
+
+
+def scenario_reset_drains_param_gather(ctx, reference=False, bucket_size=None):
+    """Reset while every group's param all-gather is in flight (distributed optimizer layout).
+
+    After a step, ddp.start_param_sync() dispatches the asynchronous all-gathers that the
+    training loop issues after optimizer.step() with overlap_param_gather; the next forward's
+    pre-hooks would wait on them. reset_grad_ready_calibration must complete them first (it sets
+    param_gather_dispatched=False, so the next forward dispatches again). reference=True runs
+    the same step indices without the all-gather and the reset.
+    """
+    ddp = _build(ctx, distopt=True, overlap_param_gather=True, bucket_size=bucket_size)
+    norms = [_step(ddp, ctx, 0)]
+    out = {'num_groups': len(_groups(ddp))}
+    if not reference:
+        ddp.start_param_sync()
+        out['before'] = [_state(g) for g in _groups(ddp)]
+        out['result'] = list(ddp.reset_grad_ready_calibration())
+        out['after'] = [_state(g) for g in _groups(ddp)]
+    norms.append(_step(ddp, ctx, 1))
+    norms.append(_step(ddp, ctx, 2))
+    out['norms'] = norms
+    out['golden_after'] = [
+        sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)
+    ]
+    return out
+
+
+def _main_grads(ddp):
+    """Float64 copy of every param's main_grad (the tensor the optimizer reads)."""
+    return torch.cat([p.main_grad.detach().double().reshape(-1) for p in ddp.module.parameters()])
+
+
+def scenario_reset_drain_copies_back(ctx, reference=False):
+    """bf16 params with fp32 local grad accumulation: a drained reduce lands in main_grad.
+
+    Calibrate, then run step 1 without finish_grad_sync (its reduce of the bf16 buffer is in
+    flight) and reset: main_grad must hold the reduced grads, exactly as finish_grad_sync would
+    have left them (reference=True finishes step 1 instead). Later steps recalibrate.
+    """
+    ddp = _build(ctx, fp32_local_accumulation=True)
+    params = list(ddp.module.parameters())
+    out = {
+        'extra_main_grads': sum(
+            getattr(p, 'main_grad_copy_in_grad_buffer', None) is not None for p in params
+        ),
+        'main_grad_dtypes': sorted({str(p.main_grad.dtype) for p in params}),
+        'num_params': len(params),
+    }
+    norms = [_step(ddp, ctx, 0)]
+    local = None
+    if reference:
+        norms.append(_step(ddp, ctx, 1))
+    else:
+        _step(ddp, ctx, 1, finish=False)
+        local = _main_grads(ddp)
+        out['result'] = list(ddp.reset_grad_ready_calibration())
+    main = _main_grads(ddp)
+    buffer = torch.cat([p.main_grad_copy_in_grad_buffer.double().reshape(-1) for p in params])
+    out['main_grads'] = main.tolist()
+    out['main_grad_equals_buffer'] = bool(torch.equal(main, buffer))
+    out['main_grad_changed_by_reset'] = None if local is None else not torch.equal(main, local)
+    norms.append(_step(ddp, ctx, 2))
+    out['norms'] = norms
+    return out
+
+
+def scenario_guard_boundary(ctx, golden=1, registrations=2):
+    """out.weight registers ``registrations`` times in a batch calibrated at ``golden``.
+
+    The extra registrations come from backwards through out.weight alone before the loss
+    backward of the last microbatch, so the other params of its bucket group have not registered
+    yet and no reduce is in flight: only the count can tell. Returns the step-1 grad norm or what
+    it raised.
+    """
+    ddp = _build(ctx)
+    calib = _step(ddp, ctx, 0, pre_backwards=golden - 1)
+    out = {'calibration_norm': calib, 'raised': None, 'norm': None}
+    try:
+        out['norm'] = _step(ddp, ctx, 1, pre_backwards=registrations - 1)
+    except Exception as exc:  # noqa: BLE001 - the guard (fork) or the late assert (pristine)
+        out['raised'] = f'{type(exc).__name__}: {exc}'
+        _drain(ddp)
+    # Frozen by step 1's zero_grad_buffer().
+    out['golden'] = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
+    return out

@@ -4,7 +4,8 @@ Every scenario runs on all ranks of a harness world, initialises model parallel 
 returns a JSON-able dict. The expected values never come from megatron: they are computed from the
 *logical* (deduplicated) parameters that the per-rank shards were cut from, in FP64.
 
-Logical model used by the layout scenarios (all parameters bf16, PP = CP = 1):
+Logical model used by the layout scenarios (all parameters bf16, PP = CP = 1; the exact oracle
+also runs fp16 and fp32 models, whose optimizers take other code paths):
 - ``dense_rep``: replicated over TP and DP (not tensor-parallel), 3 elements.
 - ``dense_tp``: tensor-parallel over TP (partition_dim 0), 2 elements per TP rank.
 - ``expert_rep``: one distinct tensor per EP rank, replicated over ETP and expert DP, 3 elements,
@@ -17,7 +18,10 @@ import math
 
 import torch
 
+DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
+
 DENSE_REP, DENSE_TP_SHARD, EXPERT_REP, EXPERT_TP_SHARD = 3, 2, 3, 2
+SEED = 1234
 
 
 def layouts(world_size):
@@ -35,12 +39,12 @@ def layouts(world_size):
 class _Params(torch.nn.Module):
     """A bag of parameters; DDP and the optimizers only need ``named_parameters``."""
 
-    def __init__(self, shapes, expert_names, tp_names, device):
+    def __init__(self, shapes, expert_names, tp_names, device, dtype='bf16'):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         for name, numel in shapes.items():
-            param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16, device=device))
+            param = torch.nn.Parameter(torch.zeros(numel, dtype=DTYPES[dtype], device=device))
             if name in tp_names:
                 set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
             if name in expert_names:
@@ -48,35 +52,67 @@ class _Params(torch.nn.Module):
             setattr(self, name, param)
 
 
-def _build(ctx, tp, ep, etp, shapes, expert_names, tp_names, use_distributed_optimizer):
-    """DDP-wrap the parameters and build the standard bf16 optimizer (chained dense + expert)."""
+def _build(
+    ctx,
+    tp,
+    ep,
+    etp,
+    shapes,
+    expert_names,
+    tp_names,
+    use_distributed_optimizer,
+    dtype='bf16',
+    pg_collection=False,
+    optimizer='adam',
+):
+    """DDP-wrap the parameters and build the standard optimizer (chained dense + expert).
+
+    Args:
+        dtype: 'bf16', 'fp16' (constant loss scale 1, so grads are read as written) or 'fp32'
+            (FP32Optimizer, or the DistributedOptimizer's fp32 branch).
+        pg_collection: pass ProcessGroupCollection.use_mpu_process_groups() explicitly to
+            get_megatron_optimizer instead of letting it read the global parallel state.
+        optimizer: 'adam', or an emerging optimizer such as 'lion' (needs the
+            emerging-optimizers package; get_megatron_optimizer then takes its emerging path).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(SEED)
 
     cfg = TransformerConfig(
         num_layers=1,
         hidden_size=16,
         num_attention_heads=4,
         tensor_model_parallel_size=tp,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+        bf16=dtype == 'bf16',
+        fp16=dtype == 'fp16',
+        params_dtype=DTYPES[dtype],
     )
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
     )
     model = DistributedDataParallel(
-        cfg, ddp_cfg, _Params(shapes, expert_names, tp_names, ctx.device)
+        cfg, ddp_cfg, _Params(shapes, expert_names, tp_names, ctx.device, dtype)
     )
     opt_cfg = OptimizerConfig(
-        optimizer='adam',
+        optimizer=optimizer,
         lr=0.0,
-        bf16=True,
+        bf16=dtype == 'bf16',
+        fp16=dtype == 'fp16',
+        loss_scale=1.0 if dtype == 'fp16' else None,
+        params_dtype=DTYPES[dtype],
         use_distributed_optimizer=use_distributed_optimizer,
         clip_grad=0.0,
         log_num_zeros_in_grad=True,
     )
-    optimizer = get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False)
+    kwargs = {}
+    if pg_collection:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        kwargs['pg_collection'] = ProcessGroupCollection.use_mpu_process_groups()
+    optimizer = get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False, **kwargs)
     return model, optimizer
 
 
@@ -118,10 +154,13 @@ def _groups(ctx):
     }
 
 
-def scenario_exact_oracle(ctx, use_distributed_optimizer):
+def scenario_exact_oracle(
+    ctx, use_distributed_optimizer, dtype='bf16', pg_collection=False, optimizer='adam'
+):
     """TP = EP = world, ETP = 1: one replicated dense scalar, one distinct expert scalar per rank.
 
     Expected: grads all 1 -> norm sqrt(1 + world); grads all 0 -> zero count 1 + world.
+    dtype, pg_collection and optimizer are passed to _build.
     """
     from megatron.core import parallel_state as ps
 
@@ -140,6 +179,9 @@ def scenario_exact_oracle(ctx, use_distributed_optimizer):
         {'expert'},
         set(),
         use_distributed_optimizer,
+        dtype=dtype,
+        pg_collection=pg_collection,
+        optimizer=optimizer,
     )
     ones = _stats(model, optimizer, {'dense': torch.ones(1), 'expert': torch.ones(1)})
     zeros = _stats(model, optimizer, {'dense': torch.zeros(1), 'expert': torch.zeros(1)})
@@ -152,6 +194,7 @@ def scenario_exact_oracle(ctx, use_distributed_optimizer):
         'expected_zeros': 1 + world,
         'found_inf': ones['found_inf'] or zeros['found_inf'],
         'children': [type(c).__name__ for c in children],
+        'param_dtypes': sorted({str(p.dtype) for p in model.module.parameters()}),
         'children_expert_tp_group_is_etp': [
             getattr(c, 'expert_tp_group', None) is ps.get_expert_tensor_parallel_group()
             for c in children
@@ -280,6 +323,7 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
+    torch.manual_seed(SEED)
     hidden, ffn = 4, 8
     kwargs = {}
     if ep > 1:
