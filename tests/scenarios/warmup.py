@@ -142,10 +142,11 @@ def _synthetic_iterator(device):
         ).to(device)
 
 
-def _seed_all():
-    random.seed(5)
-    np.random.seed(5)
-    torch.manual_seed(5)
+def _seed_all(seed=5):
+    """Seed python, numpy and torch: the forward step draws from all three."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _sha(h, tensor):
@@ -305,6 +306,7 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
     """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error."""
     init_parallel()
     trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation)
+    _seed_all()  # _forward_step draws python/numpy/torch noise: same losses on every run
     out = {'arm': arm, 'accumulation': accumulation, 'losses': [], 'step_error': None}
     if arm == 'naive':
         _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
@@ -519,6 +521,7 @@ def scenario_bad_input(ctx):
     from megatron.training.arguments import parse_args
     from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported, run_warmup
 
+    _seed_all()
     out = {'argparse': {}}
     for value in ('2', '0', '-1', '1.5', 'two'):
         saved, err = sys.argv, io.StringIO()
