@@ -38,9 +38,7 @@ def _argv(ws, arm):
 
 
 RUNS = {
-    (ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), timeout=300)
-    for ws in (1, 2)
-    for arm in ARMS
+    (ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), timeout=300) for ws in (1, 2) for arm in ARMS
 }
 PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'pretrain'), timeout=120)
 PRISTINE_NONE = call(1, PRISTINE, S, argv=_argv(1, 'none'), timeout=300)
@@ -50,7 +48,9 @@ def _ok(handle):
     per_rank = handle.result()
     for rank, res in enumerate(per_rank):
         if 'missing' in res:
-            pytest.skip(f'Megatron-LM script not available: {res["missing"]} (set FORK_MEGATRON_LM)')
+            pytest.skip(
+                f'Megatron-LM script not available: {res["missing"]} (set FORK_MEGATRON_LM)'
+            )
         assert 'error' not in res, f'rank {rank}: {res["error"]}'
         assert res['exit'] in (None, 0), f'rank {rank}: exit {res["exit"]}'
     return per_rank

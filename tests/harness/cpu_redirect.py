@@ -90,7 +90,6 @@ COVERED = {
 }
 
 
-
 class _DeviceRngStandIn:
     """The one "device" generator of a CPU rank in pretrain mode (see pretrain_mode()).
 

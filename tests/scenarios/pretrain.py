@@ -15,10 +15,10 @@ tests/harness/README.md:
   in the 0.18.2 wheel nor in the materialized tree. The scenario compiles that tree's
   ``helpers.cpp`` once into ``build/helpers-cache/`` and registers it as
   ``megatron.core.datasets.helpers_cpp``.
-- Recorders: ``training.training_log`` and ``training.train`` are wrapped (the originals run) to
-  record every real iteration's losses, grad norm, learning rate and loss scale bitwise, and a digest
-  of the model and optimizer after the last iteration. ``warmup.run_warmup`` is wrapped on the fork
-  to count its calls and record their step counts.
+- Recorders: ``training.training_log`` and ``training.train`` are wrapped (the originals run)
+  to record every real iteration's losses, grad norm, learning rate and loss scale bitwise, and
+  a digest of the model and optimizer after the last iteration. ``warmup.run_warmup`` is wrapped
+  on the fork to record its calls: step count, and whether train() was running.
 """
 
 import contextlib
@@ -206,7 +206,9 @@ def _digest(model, optimizer):
                 for key, value in sorted(inner.state.get(p, {}).items()):
                     h.update(key.encode())
                     if isinstance(value, torch.Tensor):
-                        h.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                        h.update(
+                            value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                        )
                     else:
                         h.update(repr(value).encode())
     return model_digest, h.hexdigest()[:16]
@@ -271,7 +273,9 @@ def _recorders(out):
             @functools.wraps(original_run)
             def run_warmup(*a, **kw):
                 num_steps = kw['num_steps'] if 'num_steps' in kw else a[4]
-                out['warmup_calls'].append({'steps': num_steps, 'inside_train': out['inside_train']})
+                out['warmup_calls'].append(
+                    {'steps': num_steps, 'inside_train': out['inside_train']}
+                )
                 return original_run(*a, **kw)
 
             stack.enter_context(_patched(warmup, 'run_warmup', run_warmup))

@@ -450,9 +450,7 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             broken = _patched(warmup_module._RngSnapshot, 'restore', lambda self: None)
         res['start'] = {
             'scheduler_num_steps': scheduler.num_steps,
-            'optimizer_state': sum(
-                len(o.optimizer.state) for o in _optimizers(trainer.optimizer)
-            ),
+            'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),
             'iteration': args.iteration,
         }
         recorder = _patched(training, 'save_grads', save_grads)
@@ -482,7 +480,10 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
 
             install_first_train_step_warmup(warmup_steps, _synthetic_iterator(ctx.device), args)
         run = _RealRun(trainer, scheduler, args, acc, first_step=args.iteration)
-        with contextlib.redirect_stdout(io.StringIO()), _patched(training, 'save_grads', save_grads):
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            _patched(training, 'save_grads', save_grads),
+        ):
             steps = [run.step() for _ in range(real_steps)]
         res['dumps'] = dumps
         res['train_step_restored'] = training.train_step.__name__ == 'train_step'
