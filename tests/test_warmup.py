@@ -37,11 +37,18 @@ COMBOS_DP2 = [
     _combo(2, 'bf16', False, False),
     _combo(2, 'bf16', True, True, overlap_param_gather=True),
     _combo(2, 'fp32', True, True, path='first_train_step'),
+    # fp16: the dynamic grad scaler grows every 2 steps, so the warmup moves its scale.
+    _combo(2, 'fp16', True, True, loss_scale_window=2),
+    # A resumed run: scheduler, counters and optimizer state are non-zero before the warmup;
+    # a frozen submodule in eval mode; train_step's dumps switched on.
+    _combo(2, 'bf16', True, True, resume=2, eval_module='core.fc2', dumps=True),
+    _combo(1, 'fp16', True, False, resume=2, loss_scale_window=2, path='first_train_step'),
 ]
 COMBOS_DP1 = [
     _combo(2, 'bf16', True, True),
     _combo(1, 'fp32', True, False),
     _combo(2, 'bf16', True, True, overlap_param_gather=True, path='first_train_step'),
+    _combo(2, 'fp16', True, True, resume=3, loss_scale_window=2, dumps=True),
 ]
 CONTROL = [_combo(2, 'bf16', True, True, **{'break': 'rng'})]
 
@@ -109,6 +116,19 @@ def test_exact_restore(ws):
                 continue
             assert r['identical'], (combo, r['diff_keys'], r['losses_none'], r['losses_fork'])
             fork = r['fork']
+            if combo.get('resume'):
+                # The warmup really starts from a resumed state (what the reload must put back).
+                start = fork['start']
+                assert start['iteration'] == combo['resume'], combo
+                assert start['scheduler_num_steps'] > 0 and start['optimizer_state'] > 0, combo
+            if combo.get('dumps'):
+                # Real steps dump (once each); warmup steps do not.
+                first = combo.get('resume', 0) + 1
+                assert r['dumps_none'] == [['params', first + i] for i in range(3)], combo
+            if combo['dtype'] == 'fp16':
+                # A dynamic scaler whose state the digests compare; it grew during the run.
+                scalers = r['scaler_none']  # one per sub-optimizer (dense, expert)
+                assert scalers and all(sc['scale'] > 4096 for sc in scalers), combo
             assert fork['train_step_restored'], combo
             if combo.get('path', 'run_warmup') == 'run_warmup':
                 assert fork['after_warmup_equals_before'], combo

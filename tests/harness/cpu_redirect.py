@@ -90,6 +90,69 @@ COVERED = {
 }
 
 
+class _DeviceRngStandIn:
+    """The one "device" generator of a CPU rank in pretrain mode (see pretrain_mode()).
+
+    Megatron's RNG tracker records and swaps device RNG states; on CPU ranks those states are
+    kept on a private CPU generator. CPU kernels (dropout included) draw from torch's CPU
+    generator, which initialize_megatron seeds with torch.manual_seed.
+    """
+
+    def __init__(self):
+        self.generator = torch.Generator()
+
+    def manual_seed(self, seed):
+        self.generator.manual_seed(int(seed))
+
+    def get_rng_state(self, device='cuda'):
+        return self.generator.get_state()
+
+    def set_rng_state(self, new_state, device='cuda'):
+        self.generator.set_state(new_state)
+
+
+_DEVICE_RNG = _DeviceRngStandIn()
+
+# Added by pretrain_mode() only (upstream pretrain(): initialize_megatron and the RNG tracker).
+PRETRAIN_COVERED = {
+    # initialize.py:337 builds the model-parallel groups and :398 seeds the RNG tracker only when
+    # device_count() > 0; a CPU rank stands in for one device.
+    'device_count': lambda: 1,
+    # tensor_parallel/random.py:290-293/477 (model_parallel_cuda_manual_seed, tracker.add).
+    'manual_seed': _DEVICE_RNG.manual_seed,
+    'manual_seed_all': _DEVICE_RNG.manual_seed,
+    'get_rng_state': _DEVICE_RNG.get_rng_state,
+    'set_rng_state': _DEVICE_RNG.set_rng_state,
+    # initialize.py:499 (_warmup_jit_function, called by pretrain()'s set_jit_fusion_options).
+    'empty_cache': lambda: None,
+    # training/utils/common_utils.py:287-290 (report_memory, from training_log after the first
+    # logged iteration): a CPU rank has no device memory.
+    'memory_allocated': lambda device=None: 0,
+    'max_memory_allocated': lambda device=None: 0,
+    'memory_reserved': lambda device=None: 0,
+    'max_memory_reserved': lambda device=None: 0,
+    # tensor_parallel/random.py:110 (_get_cuda_rng_state reads torch.cuda.random.get_rng_state).
+    'random': types.SimpleNamespace(
+        get_rng_state=_DEVICE_RNG.get_rng_state,
+        set_rng_state=_DEVICE_RNG.set_rng_state,
+        manual_seed=_DEVICE_RNG.manual_seed,
+    ),
+}
+_ACTIVE = dict(COVERED)
+
+
+@contextlib.contextmanager
+def pretrain_mode():
+    """Extend the redirect with PRETRAIN_COVERED while upstream pretrain() runs (CPU worlds)."""
+    saved = dict(_ACTIVE)
+    _ACTIVE.update(PRETRAIN_COVERED)
+    try:
+        yield
+    finally:
+        _ACTIVE.clear()
+        _ACTIVE.update(saved)
+
+
 # Modules whose torch.cuda accesses are checked: the code under test and the scenarios.
 CHECKED_PREFIXES = ('megatron', 'tests')
 
@@ -105,8 +168,8 @@ class _CudaProxy(types.ModuleType):
         caller = sys._getframe(1).f_globals.get('__name__', '')
         if not caller.startswith(CHECKED_PREFIXES) or caller.startswith('tests.harness.launcher'):
             return getattr(_REAL_CUDA, name)
-        if name in COVERED:
-            value = COVERED[name]
+        if name in _ACTIVE:
+            value = _ACTIVE[name]
             return getattr(_REAL_CUDA, name) if value is _PASS else value
         if name.startswith('_'):
             # Private torch helpers bound by megatron (tensor_parallel/random.py imports

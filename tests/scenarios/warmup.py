@@ -142,10 +142,11 @@ def _synthetic_iterator(device):
         ).to(device)
 
 
-def _seed_all():
-    random.seed(5)
-    np.random.seed(5)
-    torch.manual_seed(5)
+def _seed_all(seed=5):
+    """Seed python, numpy and torch: the forward step draws from all three."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _sha(h, tensor):
@@ -195,18 +196,49 @@ def _digests(trainer, scheduler, args):
     for buffer in trainer.model.buffers + trainer.model.expert_parallel_buffers:
         _sha(h, buffer.grad_data)
     out['grad_buffers'] = h.hexdigest()[:16]
+    scalers = []
+    for opt in _optimizers(trainer.optimizer):
+        scaler = getattr(opt, 'grad_scaler', None)
+        if scaler is not None:
+            scalers.append(
+                {
+                    k: float(v) if isinstance(v, torch.Tensor) else v
+                    for k, v in sorted(scaler.state_dict().items())
+                }
+            )
+    out['scaler'] = scalers
+    out['training_flags'] = [
+        name for name, m in trainer.model.named_modules() if not m.training
+    ]  # modules in eval mode
+    out['silenced_args'] = [getattr(args, name, None) for name in _SILENCED]
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    out['rerun'] = [machine.current_iteration, str(machine.state)]
     return out
 
 
+# train_step()'s per-iteration dump options (the warmup switches them off while it runs).
+_SILENCED = (
+    'save_params_interval',
+    'save_activations_interval',
+    'save_tokens_per_expert_interval',
+    'save_wgrads_interval',
+    'save_dgrads_interval',
+)
+
+
+_CONFIG_CALLBACKS = (
+    'no_sync_func',
+    'grad_sync_func',
+    'param_sync_func',
+    'finalize_model_grads_func',
+    'grad_scale_func',
+)
+
+
 def _callbacks(config):
-    names = (
-        'no_sync_func',
-        'grad_sync_func',
-        'param_sync_func',
-        'finalize_model_grads_func',
-        'grad_scale_func',
-    )
-    return {n: getattr(config, n) is not None for n in names}
+    return {n: getattr(config, n) is not None for n in _CONFIG_CALLBACKS}
 
 
 def _hooks(trainer):
@@ -216,7 +248,7 @@ def _hooks(trainer):
 class _RealRun:
     """train()'s set-up and loop around the real train_step (callbacks, pre-hook toggling)."""
 
-    def __init__(self, trainer, scheduler, args, accumulation):
+    def __init__(self, trainer, scheduler, args, accumulation, first_step=0):
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.training import training
@@ -238,7 +270,16 @@ class _RealRun:
             model.disable_forward_pre_hook(param_sync=False)
             self.param_sync_func, config.param_sync_func = config.param_sync_func, None
         self.fb = get_forward_backward_func()
-        self.step_index = 0
+        self.step_index = first_step
+
+    def leave(self):
+        """Undo train()'s set-up, as a run saved to and resumed from a checkpoint starts."""
+        for name in _CONFIG_CALLBACKS:
+            setattr(self.t.config, name, None)
+        if self.pending:
+            self.t.model.enable_forward_pre_hook()
+            self.pending = False
+        self.t.model.zero_grad_buffer()  # a resumed run's grad buffers start at zero
 
     def step(self):
         from megatron.training import training
@@ -286,7 +327,11 @@ def _naive_warmup(trainer, scheduler, args, steps, finalize):
     trainer.config.finalize_model_grads_func = None
 
 
-def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False):
+def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False, opt_kwargs=None):
+    from megatron.core import rerun_state_machine
+
+    rerun_state_machine.destroy_rerun_state_machine()  # each arm counts its own iterations
+    rerun_state_machine.initialize_rerun_state_machine()
     trainer = Trainer(
         ctx,
         dtype=dtype,
@@ -294,6 +339,7 @@ def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=Fals
         distopt=distopt,
         install_hooks=False,
         ddp_kwargs={'overlap_param_gather': overlap_param_gather} if overlap_param_gather else None,
+        opt_kwargs=opt_kwargs,
     )
     trainer.config.grad_scale_func = None  # as get_model() leaves it; train() installs it
     scheduler = _scheduler(trainer)
@@ -305,6 +351,7 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
     """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error."""
     init_parallel()
     trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation)
+    _seed_all()  # _forward_step draws python/numpy/torch noise: same losses on every run
     out = {'arm': arm, 'accumulation': accumulation, 'losses': [], 'step_error': None}
     if arm == 'naive':
         _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
@@ -345,14 +392,52 @@ def _patched(owner, name, value):
         setattr(owner, name, saved)
 
 
+def _resume(trainer, scheduler, args, acc, steps):
+    """Train ``steps`` real steps, then leave train() as a resumed run starts (see _exact_one)."""
+    run = _RealRun(trainer, scheduler, args, acc)
+    with contextlib.redirect_stdout(io.StringIO()):
+        for _ in range(steps):
+            run.step()
+    run.leave()
+
+
 def _exact_one(ctx, combo, warmup_steps, real_steps):
+    """One combo: warmup arm vs no-warmup arm, bitwise.
+
+    Combo keys besides acc/dtype/overlap/distopt/overlap_param_gather/path:
+        resume: N real steps before the warmup (non-zero scheduler num_steps, iteration and
+            sample counters, existing optimizer state and a calibrated DDP), as a resumed run.
+        eval_module: put this submodule (name suffix) in eval mode before the warmup.
+        dumps: --save-params-interval 1 (train_step's dumps are recorded, not written).
+        loss_scale_window: fp16 grad scaler growth interval.
+        break: negative control ('rng': skip the RNG restore).
+    """
     acc, dtype, overlap, distopt = combo['acc'], combo['dtype'], combo['overlap'], combo['distopt']
     opg = combo.get('overlap_param_gather', False)
     path = combo.get('path', 'run_warmup')
+    opt_kwargs = None
+    if 'loss_scale_window' in combo:
+        opt_kwargs = {'loss_scale_window': combo['loss_scale_window']}
     arms = {}
+    _import_training()
+    from megatron.training import training
+
     for arm in ('none', 'fork'):
-        trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg)
+        trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
         _seed_all()
+        if combo.get('resume'):
+            _resume(trainer, scheduler, args, acc, combo['resume'])
+        if combo.get('eval_module'):
+            for name, module in trainer.model.named_modules():
+                if name.endswith(combo['eval_module']):
+                    module.eval()
+        dumps = []
+        if combo.get('dumps'):
+            args.save_params_interval = 1
+
+        def save_grads(save_dir, state_dict, iteration, label):
+            dumps.append([label, iteration])
+
         before = _digests(trainer, scheduler, args)
         callbacks_before = _callbacks(trainer.config)
         hooks_before = _hooks(trainer)
@@ -363,10 +448,16 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             from megatron.training import warmup as warmup_module
 
             broken = _patched(warmup_module._RngSnapshot, 'restore', lambda self: None)
+        res['start'] = {
+            'scheduler_num_steps': scheduler.num_steps,
+            'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),
+            'iteration': args.iteration,
+        }
+        recorder = _patched(training, 'save_grads', save_grads)
         if arm == 'fork' and path == 'run_warmup':
             from megatron.training.warmup import run_warmup
 
-            with contextlib.redirect_stdout(io.StringIO()), broken:
+            with contextlib.redirect_stdout(io.StringIO()), broken, recorder:
                 report = run_warmup(
                     [trainer.model],
                     trainer.optimizer,
@@ -379,18 +470,22 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
                 )
             res['host_staging_bytes'] = report.host_staging_bytes
             res['warmup_losses'] = [float(x['loss']) for x in report.losses]
-            res['after_warmup_equals_before'] = _digests(trainer, scheduler, args) == before
+            after = _digests(trainer, scheduler, args)
+            res['after_warmup_equals_before'] = after == before
+            res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
             res['callbacks_restored'] = _callbacks(trainer.config) == callbacks_before
             res['hooks_restored'] = _hooks(trainer) == hooks_before
         elif arm == 'fork':
             from megatron.training.warmup import install_first_train_step_warmup
 
             install_first_train_step_warmup(warmup_steps, _synthetic_iterator(ctx.device), args)
-        run = _RealRun(trainer, scheduler, args, acc)
-        with contextlib.redirect_stdout(io.StringIO()):
+        run = _RealRun(trainer, scheduler, args, acc, first_step=args.iteration)
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            _patched(training, 'save_grads', save_grads),
+        ):
             steps = [run.step() for _ in range(real_steps)]
-        from megatron.training import training
-
+        res['dumps'] = dumps
         res['train_step_restored'] = training.train_step.__name__ == 'train_step'
         res['losses'] = [s[0] for s in steps]
         res['grad_norms'] = [s[1] for s in steps]
@@ -403,7 +498,10 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         'losses_fork': fork['losses'],
         'identical': none['final'] == fork['final']
         and none['losses'] == fork['losses']
-        and none['grad_norms'] == fork['grad_norms'],
+        and none['grad_norms'] == fork['grad_norms']
+        and none['dumps'] == fork['dumps'],
+        'dumps_none': none['dumps'],
+        'scaler_none': none['final']['scaler'],
         'diff_keys': [k for k in none['final'] if none['final'][k] != fork['final'][k]],
         'fork': {k: v for k, v in fork.items() if k != 'final'},
     }
@@ -519,6 +617,7 @@ def scenario_bad_input(ctx):
     from megatron.training.arguments import parse_args
     from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported, run_warmup
 
+    _seed_all()
     out = {'argparse': {}}
     for value in ('2', '0', '-1', '1.5', 'two'):
         saved, err = sys.argv, io.StringIO()

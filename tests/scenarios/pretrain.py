@@ -1,0 +1,386 @@
+"""Scenarios that run upstream's own ``pretrain_gpt.py`` through the real ``pretrain()``.
+
+``pretrain_gpt.py``, ``model_provider.py`` and ``gpt_builders.py`` are read at test time from a
+Megatron-LM checkout or bare mirror at the tag of the pinned base (``core_v0.18.2``); they are never
+committed here. The mirror is ``$FORK_MEGATRON_LM`` (a work tree or a bare repository), by default
+``/work/.mirror/NVIDIA+Megatron-LM/repo``.
+
+The script runs unmodified, as ``__main__``, inside a harness world (CPU ranks with gloo or GPUs
+with NCCL). What the scenario adds around it, all test-only and each listed in
+tests/harness/README.md:
+
+- ``initialize_megatron(allow_no_cuda=True)`` on CPU ranks (upstream's own CPU switch; pretrain()
+  passes nothing, so ``assert torch.cuda.is_available()`` would stop it first).
+- ``compile_helpers()``: upstream runs ``make`` in ``megatron/core/datasets``, which has no Makefile
+  in the 0.18.2 wheel nor in the materialized tree. The scenario compiles that tree's
+  ``helpers.cpp`` once into ``build/helpers-cache/`` and registers it as
+  ``megatron.core.datasets.helpers_cpp``.
+- Recorders: ``training.training_log`` and ``training.train`` are wrapped (the originals run)
+  to record every real iteration's losses, grad norm, learning rate and loss scale bitwise, and
+  a digest of the model and optimizer after the last iteration. ``warmup.run_warmup`` is wrapped
+  on the fork to record its calls: step count, and whether train() was running.
+"""
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import io
+import os
+import runpy
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import torch
+
+from tests.scenarios.warmup import _import_training
+
+MIRROR_DEFAULT = '/work/.mirror/NVIDIA+Megatron-LM/repo'
+UPSTREAM_TAG = 'core_v0.18.2'
+SCRIPT_FILES = ('pretrain_gpt.py', 'model_provider.py', 'gpt_builders.py')
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def mirror_path():
+    """The Megatron-LM checkout or bare mirror the scripts are read from."""
+    return os.environ.get('FORK_MEGATRON_LM', MIRROR_DEFAULT)
+
+
+def read_upstream_file(path, ref=UPSTREAM_TAG):
+    """Text of ``path`` at ``ref`` in the Megatron-LM mirror (``git show``).
+
+    Args:
+        path: file path inside Megatron-LM.
+        ref: tag, branch or commit.
+
+    Returns:
+        The file text, or None when the mirror or the file is missing.
+    """
+    mirror = mirror_path()
+    if not os.path.isdir(mirror):
+        return None
+    proc = subprocess.run(
+        ['git', '-C', mirror, 'show', f'{ref}:{path}'], capture_output=True, text=True
+    )
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def tiny_gpt_args(world_size, train_iters=4, dtype='bf16', distopt=True, overlap=True):
+    """Command line of a tiny local-spec GPT on mock data (2 layers, hidden 64, seq 32).
+
+    Args:
+        world_size: data-parallel size (TP = PP = 1).
+        train_iters: real iterations.
+        dtype: 'bf16', 'fp16' or 'fp32'.
+        distopt: --use-distributed-optimizer.
+        overlap: --overlap-grad-reduce.
+    """
+    mbs, accumulation = 2, 2
+    args = [
+        '--num-layers', '2',
+        '--hidden-size', '64',
+        '--ffn-hidden-size', '128',
+        '--num-attention-heads', '4',
+        '--seq-length', '32',
+        '--max-position-embeddings', '32',
+        '--micro-batch-size', str(mbs),
+        '--global-batch-size', str(mbs * accumulation * world_size),
+        '--train-iters', str(train_iters),
+        '--lr', '1e-3',
+        '--min-lr', '1e-4',
+        '--lr-decay-style', 'cosine',
+        '--lr-warmup-iters', '2',
+        '--weight-decay', '0.01',
+        '--clip-grad', '1.0',
+        '--seed', '1234',
+        '--mock-data',
+        '--tokenizer-type', 'NullTokenizer',
+        '--vocab-size', '127',
+        '--split', '100,0,0',
+        '--num-workers', '0',
+        '--eval-iters', '0',
+        '--eval-interval', '1000000',
+        '--log-interval', '1',
+        '--transformer-impl', 'local',
+        '--no-gradient-accumulation-fusion',
+        '--no-masked-softmax-fusion',
+        '--no-bias-gelu-fusion',
+        '--no-bias-dropout-fusion',
+        '--no-persist-layer-norm',
+        '--use-cpu-initialization',
+        '--distributed-backend', 'gloo' if not torch.cuda.is_available() else 'nccl',
+    ]  # fmt: skip
+    if dtype == 'bf16':
+        args.append('--bf16')
+    elif dtype == 'fp16':
+        args += ['--fp16', '--initial-loss-scale', '4096']
+    if distopt:
+        args.append('--use-distributed-optimizer')
+    if overlap:
+        args.append('--overlap-grad-reduce')
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Test-only shims (CPU ranks) and recorders.
+
+
+def _helpers_cache_dir(tree_path):
+    source = os.path.join(tree_path, 'megatron', 'core', 'datasets', 'helpers.cpp')
+    with open(source, 'rb') as f:
+        key = hashlib.sha256(f.read() + sys.version.encode()).hexdigest()[:16]
+    return source, os.path.join(REPO, 'build', 'helpers-cache', key)
+
+
+def _build_helpers(tree_path):
+    """Compile the tree's helpers.cpp (once, cached) and return the extension's path."""
+    source, cache = _helpers_cache_dir(tree_path)
+    target = os.path.join(cache, 'helpers_cpp' + sysconfig.get_config_var('EXT_SUFFIX'))
+    if os.path.exists(target):
+        return target
+    import pybind11
+
+    os.makedirs(cache, exist_ok=True)
+    tmp = tempfile.mktemp(dir=cache, suffix='.so')
+    cmd = [
+        os.environ.get('CXX', 'g++'),
+        '-O2',
+        '-shared',
+        '-std=c++17',
+        '-fPIC',
+        '-I' + pybind11.get_include(),
+        '-I' + sysconfig.get_paths()['include'],
+        source,
+        '-o',
+        tmp,
+    ]
+    subprocess.run(cmd, check=True, capture_output=True)
+    os.replace(tmp, target)
+    return target
+
+
+def _register_helpers(path):
+    name = 'megatron.core.datasets.helpers_cpp'
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+
+
+def _compile_helpers_shim(ctx):
+    """Stand-in for megatron.core.datasets.utils.compile_helpers (no Makefile in the tree)."""
+
+    def compile_helpers():
+        _register_helpers(_build_helpers(ctx.tree_path))
+
+    return compile_helpers
+
+
+def _hexes(value):
+    if isinstance(value, torch.Tensor):
+        return [float(x).hex() for x in value.detach().float().reshape(-1).tolist()]
+    if isinstance(value, (int, float)):
+        return [float(value).hex()]
+    return None if value is None else repr(value)
+
+
+def _digest(model, optimizer):
+    h = hashlib.sha256()
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            t = p.detach().cpu().reshape(-1).contiguous()
+            h.update(name.encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    model_digest = h.hexdigest()[:16]
+    h = hashlib.sha256()
+    for opt in getattr(optimizer, 'chained_optimizers', None) or [optimizer]:
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group['params']:
+                t = p.detach().cpu().reshape(-1).contiguous()
+                h.update(t.view(torch.uint8).numpy().tobytes())
+                for key, value in sorted(inner.state.get(p, {}).items()):
+                    h.update(key.encode())
+                    if isinstance(value, torch.Tensor):
+                        h.update(
+                            value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                        )
+                    else:
+                        h.update(repr(value).encode())
+    return model_digest, h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextlib.contextmanager
+def _recorders(out):
+    """Wrap training_log / train (and run_warmup on the fork) to record what the run did."""
+    from megatron.training import training
+
+    original_log, original_train = training.training_log, training.train
+
+    @functools.wraps(original_log)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *a, **kw):
+        skipped_iter, grad_norm = a[1], a[2]
+        out['iterations'].append(
+            {
+                'iteration': iteration,
+                'losses': {k: _hexes(v) for k, v in sorted(loss_dict.items())},
+                'lr': _hexes(learning_rate),
+                'loss_scale': _hexes(loss_scale),
+                'grad_norm': _hexes(grad_norm),
+                'skipped': int(skipped_iter),
+            }
+        )
+        return original_log(
+            loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *a, **kw
+        )
+
+    @functools.wraps(original_train)
+    def train(forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw):
+        out['inside_train'] = True
+        try:
+            result = original_train(
+                forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw
+            )
+        finally:
+            out['inside_train'] = False
+        out['final_model'], out['final_optimizer'] = _digest(model, optimizer)
+        out['final_scheduler_steps'] = opt_param_scheduler.num_steps
+        return result
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(training, 'training_log', training_log))
+        stack.enter_context(_patched(training, 'train', train))
+        warmup = None
+        with contextlib.suppress(ImportError):
+            from megatron.training import warmup
+        if warmup is not None:
+            original_run = warmup.run_warmup
+
+            @functools.wraps(original_run)
+            def run_warmup(*a, **kw):
+                num_steps = kw['num_steps'] if 'num_steps' in kw else a[4]
+                out['warmup_calls'].append(
+                    {'steps': num_steps, 'inside_train': out['inside_train']}
+                )
+                return original_run(*a, **kw)
+
+            stack.enter_context(_patched(warmup, 'run_warmup', run_warmup))
+        yield
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self):
+        for stream in self.streams:
+            stream.flush()
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenario.
+
+
+def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
+    """Run upstream's pretrain_gpt.py (from the mirror) with ``argv``; report what it did.
+
+    Args:
+        argv: command-line arguments after the script name.
+        tag: Megatron-LM ref the scripts are read from.
+
+    Returns:
+        {'exit': SystemExit code or None, 'argparse_error': last 'error:' line on stderr,
+        'iterations': [per real iteration: losses/lr/loss_scale/grad_norm as float hex],
+        'final_model'/'final_optimizer': digests after train(), 'warmup_calls': [num_steps],
+        'warmup_log': the '[warmup]' stdout lines}.
+    """
+    workdir = tempfile.mkdtemp(prefix=f'pretrain-gpt-r{ctx.rank}-')
+    for name in SCRIPT_FILES:
+        text = read_upstream_file(name, tag)
+        if text is None:
+            return {'missing': f'{name} at {tag} in {mirror_path()}'}
+        with open(os.path.join(workdir, name), 'w') as f:
+            f.write(text)
+    script = os.path.join(workdir, 'pretrain_gpt.py')
+
+    # What torchrun would export; pretrain_gpt.py reads RANK, the arguments the rest.
+    os.environ.update(
+        RANK=str(ctx.rank),
+        LOCAL_RANK=str(ctx.rank if ctx.device.type == 'cuda' else 0),
+        WORLD_SIZE=str(ctx.world_size),
+    )
+    out = {
+        'inside_train': False,
+        'exit': None,
+        'argparse_error': None,
+        'iterations': [],
+        'warmup_calls': [],
+        'warmup_log': [],
+    }
+    on_cpu = ctx.device.type == 'cpu'
+    if ctx.rank == 0:
+        _build_helpers(ctx.tree_path)  # rank 0 compiles; the barrier below orders the others
+    torch.distributed.barrier()
+    # Every rank builds dataset indices (MockGPTDataset), so every rank needs the helper.
+    _register_helpers(_build_helpers(ctx.tree_path))
+
+    _import_training()
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import initialize, training
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script] + list(argv)
+    sys.path.insert(0, workdir)
+    try:
+        with contextlib.ExitStack() as stack:
+            if on_cpu:
+                from tests.harness import cpu_redirect
+
+                stack.enter_context(cpu_redirect.pretrain_mode())
+                stack.enter_context(
+                    _patched(
+                        training,
+                        'initialize_megatron',
+                        functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
+                    )
+                )
+            stack.enter_context(
+                _patched(dataset_utils, 'compile_helpers', _compile_helpers_shim(ctx))
+            )
+            stack.enter_context(_recorders(out))
+            stack.enter_context(contextlib.redirect_stdout(_Tee(stdout, sys.stdout)))
+            stack.enter_context(contextlib.redirect_stderr(_Tee(stderr, sys.stderr)))
+            try:
+                runpy.run_path(script, run_name='__main__')
+            except SystemExit as exc:
+                out['exit'] = exc.code
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        for name in ('model_provider', 'gpt_builders'):
+            sys.modules.pop(name, None)
+    errors = [line for line in stderr.getvalue().splitlines() if ': error: ' in line]
+    out['argparse_error'] = errors[-1] if errors else None
+    out['warmup_log'] = [
+        line.strip() for line in stdout.getvalue().splitlines() if line.startswith('[warmup]')
+    ]
+    return out

@@ -1,0 +1,115 @@
+"""Upstream's real pretrain() with --warmup-train-steps (patch 0003), end to end.
+
+Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at core_v0.18.2, never
+committed) through megatron.training.pretrain(): model_provider + gpt_builder, forward_step,
+MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with
+overlap_grad_reduce and the distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
+harness's CUDA redirect plus its pretrain mode) at world sizes 1 and 2, or on GPUs with
+FORK_TEST_BACKEND=nccl.
+
+- Without the flag, with --warmup-train-steps 2 and with --warmup-install-path first_train_step,
+  every real iteration's loss, grad norm, learning rate and loss scale are bitwise identical, and
+  so are the model and optimizer after the last iteration.
+- The warmup really ran: pretrain() called run_warmup once with 2 steps, before train() on the
+  'pretrain' path and inside it on 'first_train_step', and logged its report lines.
+- Counterfactual: pristine 0.18.2 rejects the flag with argparse's exact error (exit 2); without
+  the flag it trains exactly as the fork does.
+"""
+
+import pytest
+
+from tests.harness import call
+from tests.scenarios.pretrain import tiny_gpt_args
+
+S = 'tests.scenarios.pretrain:scenario_pretrain_gpt'
+FORK = 'fork'
+PRISTINE = 'pristine-0.18.2'
+ITERS = 4
+WARMUP = ['--warmup-train-steps', '2']
+ARMS = {
+    'none': [],
+    'pretrain': WARMUP,
+    'first_train_step': WARMUP + ['--warmup-install-path', 'first_train_step'],
+}
+
+
+def _argv(ws, arm):
+    return tiny_gpt_args(ws, train_iters=ITERS) + ARMS[arm]
+
+
+RUNS = {
+    (ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), timeout=300) for ws in (1, 2) for arm in ARMS
+}
+PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'pretrain'), timeout=120)
+PRISTINE_NONE = call(1, PRISTINE, S, argv=_argv(1, 'none'), timeout=300)
+
+
+def _ok(handle):
+    per_rank = handle.result()
+    for rank, res in enumerate(per_rank):
+        if 'missing' in res:
+            pytest.skip(
+                f'Megatron-LM script not available: {res["missing"]} (set FORK_MEGATRON_LM)'
+            )
+        assert 'error' not in res, f'rank {rank}: {res["error"]}'
+        assert res['exit'] in (None, 0), f'rank {rank}: exit {res["exit"]}'
+    return per_rank
+
+
+def _trained(res):
+    """The per-iteration record without anything that may legitimately differ."""
+    return res['iterations'], res['final_model'], res['final_optimizer']
+
+
+@pytest.mark.parametrize('ws', [1, 2])
+def test_pretrain_gpt_trains(ws):
+    for res in _ok(RUNS[(ws, 'none')]):
+        assert [it['iteration'] for it in res['iterations']] == list(range(1, ITERS + 1))
+        losses = [float.fromhex(it['losses']['lm loss'][0]) for it in res['iterations']]
+        assert all(0 < loss < 10 for loss in losses), losses
+        assert all(it['skipped'] == 0 for it in res['iterations'])
+        assert res['warmup_calls'] == [] and res['warmup_log'] == []
+
+
+@pytest.mark.parametrize('ws', [1, 2])
+@pytest.mark.parametrize('path', ['pretrain', 'first_train_step'])
+def test_warmup_through_pretrain_is_bitwise_invisible(ws, path):
+    none = _ok(RUNS[(ws, 'none')])
+    warm = _ok(RUNS[(ws, path)])
+    for rank, (a, b) in enumerate(zip(none, warm)):
+        assert b['iterations'] == a['iterations'], f'rank {rank}'
+        assert _trained(b) == _trained(a), f'rank {rank}'
+        assert b['final_scheduler_steps'] == a['final_scheduler_steps'], f'rank {rank}'
+
+
+@pytest.mark.parametrize('ws', [1, 2])
+@pytest.mark.parametrize('path', ['pretrain', 'first_train_step'])
+def test_warmup_ran_where_asked(ws, path):
+    for rank, res in enumerate(_ok(RUNS[(ws, path)])):
+        # 'pretrain': before train(), at the boundary; 'first_train_step': inside train().
+        assert res['warmup_calls'] == [
+            {'steps': 2, 'inside_train': path == 'first_train_step'}
+        ], f'rank {rank}'
+        if rank == 0:
+            reset, ran = res['warmup_log']
+            assert reset.startswith('[warmup] Reset DDP grad-ready calibration on ')
+            assert reset.endswith(' bucket groups (0 outstanding collectives drained)')
+            assert ran.startswith('[warmup] Ran 2 warmup train steps in ')
+        else:
+            assert res['warmup_log'] == []
+
+
+def test_pristine_rejects_the_flag():
+    for res in PRISTINE_FLAG.result():
+        assert 'error' not in res, res['error']
+        assert res['exit'] == 2
+        assert res['argparse_error'] == (
+            'pretrain_gpt.py: error: unrecognized arguments: --warmup-train-steps 2'
+        )
+        assert res['iterations'] == []
+
+
+def test_fork_without_the_flag_trains_as_pristine():
+    (pristine,) = _ok(PRISTINE_NONE)
+    (fork,) = _ok(RUNS[(1, 'none')])
+    assert _trained(fork) == _trained(pristine)
