@@ -13,7 +13,7 @@ from tests.harness.launcher import backend, run_world
 
 S = 'tests.scenarios.ddp_calibration:'
 FORK = 'fork'
-PRISTINE = 'pristine-0.18.2'
+PRISTINE = 'pristine'
 
 # name -> (scenario, kwargs)
 FORK_CALLS = {

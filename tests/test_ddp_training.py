@@ -8,7 +8,7 @@ from tests.harness import call
 
 TRAIN = 'tests.scenarios.ddp_training:scenario_train'
 LAYOUT = 'tests.scenarios.ddp_training:scenario_layout'
-TREES = ['fork', 'pristine-0.18.2']
+TREES = ['fork', 'pristine']
 FP32_TOL = 1e-5
 
 BASE = {}

@@ -18,7 +18,7 @@ from tests.harness.launcher import resolve_tree
 
 REPO = Path(__file__).resolve().parents[1]
 FORK = 'fork'
-PRISTINE = 'pristine-0.18.2'
+PRISTINE = 'pristine'
 NO_MAKEFILE = 'No targets specified and no makefile found'
 CALL = (
     'from megatron.core.datasets.utils import compile_helpers\n'

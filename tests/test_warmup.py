@@ -13,7 +13,7 @@ from tests.harness import call
 
 S = 'tests.scenarios.warmup:'
 FORK = 'fork'
-PRISTINE = 'pristine-0.18.2'
+PRISTINE = 'pristine'
 
 OUTSTANDING = 'AssertionError: Should not have multiple communication calls outstanding at once'
 NOT_ISSUED = (

@@ -109,6 +109,7 @@ def build_model(config, expert=True, seed=1234):
         def __init__(self, config):
             super().__init__(config=config)
             self.model_type = ModelType.encoder_or_decoder
+            self.pg_collection = None  # 0.19.2's train_step reads it (None: the mpu groups)
             self.core = TinyCore(expert=expert)
 
         def set_input_tensor(self, input_tensor):

@@ -84,6 +84,7 @@ def _set_global_args(trainer, accumulation, overlap_param_gather=False):
     args.perform_rl_step = False
     args.use_megatron_fsdp = False
     args.seed = 1234
+    args.gtp_weight_remat_size = getattr(args, 'gtp_weight_remat_size', None) or 1
     global_vars.set_args(args)
     global_vars._GLOBAL_TIMERS = None
     global_vars._set_timers(args)
