@@ -1,0 +1,176 @@
+"""Scenarios: a DDP parameter that never reports a grad with overlap_grad_reduce (patch 0006).
+
+With overlap_grad_reduce=True, megatron DDP dispatches a bucket group's reduce once every param in
+it has registered its grad as ready (as often as in the first, calibration, batch). A param that
+requires grad but receives none never registers, so the bucket's reduce is never dispatched:
+- unused from the start: the calibration check in ``_ParamAndGradBucketGroup.reset()`` (run by the
+  next ``zero_grad_buffer()``) fails with a bare ``AssertionError``;
+- used in the calibration batch and not later (a skipped branch, or ``requires_grad`` turned off
+  after wrapping): ``finish_grad_sync`` fails with "Communication call has not been issued for
+  this bucket (k/n params have grad available)".
+Neither names the param. The scenarios drive the real DDP wrapper, the real no-pipelining schedule,
+``finalize_model_grads`` and ``get_megatron_optimizer`` (bf16 or fp32, with or without the
+distributed optimizer) and return what was raised, where, and the DDP's view of the bucket groups.
+"""
+
+import torch
+
+from tests.scenarios.common import (
+    FFN,
+    HIDDEN,
+    OUT,
+    build_optimizer,
+    make_config,
+    rank_iterator,
+    wrap_ddp,
+)
+
+# Modes: what happens to the ``branch`` layer (and which params never report).
+#   'unused'         branch is defined but never used in forward.
+#   'skip_later'     branch is used in the calibration step (0) and skipped from step 1 on.
+#   'freeze_later'   branch.weight.requires_grad = False after step 0 (bias still trains).
+#   'expert_unused'  branch carries allreduce=False (expert bucket group); its bias is never
+#                    used (a bucket group in which no param at all reports stays in calibration
+#                    and is reduced synchronously, which works, so one param must report).
+#   'undercount'     the calibration step runs without no_sync_func (every microbatch registers),
+#                    later steps with it: every param reports, but fewer times than calibrated.
+#   'none'           branch always used: the reference, must train.
+MODES = ('unused', 'skip_later', 'freeze_later', 'expert_unused', 'undercount', 'none')
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, expert_branch):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(HIDDEN, FFN)
+        self.branch = torch.nn.Linear(FFN, FFN)
+        self.head = torch.nn.Linear(FFN, OUT)
+        self.use_branch = True
+        self.use_branch_bias = True
+        if expert_branch:
+            for param in self.branch.parameters():
+                param.allreduce = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.use_branch:
+            bias = self.branch.bias if self.use_branch_bias else None
+            h = h + torch.tanh(torch.nn.functional.linear(h, self.branch.weight, bias))
+        return self.head(h)
+
+
+def _build(ctx, mode, dtype, distopt, bucket_size):
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.module import MegatronModule
+
+    config = make_config(dtype)
+
+    class _Model(MegatronModule):
+        def __init__(self):
+            super().__init__(config=config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.net = _Net(expert_branch=mode == 'expert_unused')
+
+        def set_input_tensor(self, input_tensor):
+            pass
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(1234)
+    model = _Model().to(ctx.device)
+    if mode == 'unused':
+        model.net.use_branch = False
+    if mode == 'expert_unused':
+        model.net.use_branch_bias = False
+    ddp = wrap_ddp(model, config, overlap=True, distopt=distopt, bucket_size=bucket_size)
+    optimizer = build_optimizer(ddp, dtype=dtype, distopt=distopt)
+    config.no_sync_func = ddp.no_sync
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = None
+    return config, model, ddp, optimizer
+
+
+def _loss_func(y, output):
+    loss = torch.nn.functional.mse_loss(output.float(), y)
+    return loss, {'loss': loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    from functools import partial
+
+    x, y = next(data_iterator)
+    return model(x), partial(_loss_func, y)
+
+
+def _groups(ddp):
+    return ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+
+
+def _drain(ddp):
+    for group in _groups(ddp):
+        if group.grad_reduce_handle is not None:
+            group.grad_reduce_handle.wait()
+            group.grad_reduce_handle = None
+
+
+def scenario_missing_grad(
+    ctx, mode, dtype='fp32', distopt=True, steps=3, microbatches=2, bucket_size=None
+):
+    """Train ``steps`` steps with ``mode`` applied to the branch layer; report the first error.
+
+    Args:
+        mode: one of MODES.
+        dtype: 'fp32' or 'bf16'.
+        distopt: use the distributed optimizer (reduce-scatter) or not (all-reduce).
+        steps: training steps.
+        microbatches: microbatches per step (all but the last under no_sync).
+        bucket_size: DDP bucket size in elements (None: one bucket per buffer).
+
+    Returns:
+        dict: 'error' ('<Type>: <message>' or None), 'phase' ('zero_grad_buffer', 'forward_backward'
+        or 'optimizer') and 'step' of the error, 'grad_norms' of the steps that finished, and
+        'groups' (per bucket group: number of params and their names in DDP order).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    parallel_state.initialize_model_parallel()
+    config, model, ddp, optimizer = _build(ctx, mode, dtype, distopt, bucket_size)
+    names = {p: n for n, p in model.named_parameters()}
+    out = {'error': None, 'phase': None, 'step': None, 'grad_norms': []}
+    out['groups'] = [sorted(names[p] for p in g.params) for g in _groups(ddp)]
+    dp_rank = parallel_state.get_data_parallel_rank()
+    if mode == 'undercount':
+        config.no_sync_func = None
+    for step in range(steps):
+        if step == 1 and mode == 'undercount':
+            config.no_sync_func = ddp.no_sync
+        if step == 1 and mode == 'skip_later':
+            model.net.use_branch = False
+        if step == 1 and mode == 'freeze_later':
+            model.net.branch.weight.requires_grad_(False)
+        phase = 'zero_grad_buffer'
+        try:
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            phase = 'forward_backward'
+            get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=rank_iterator(1234, step, microbatches, dp_rank, ctx.device),
+                model=[ddp],
+                num_microbatches=microbatches,
+                seq_length=1,
+                micro_batch_size=4,
+                forward_only=False,
+            )
+            phase = 'optimizer'
+            _, grad_norm, _ = optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            out.update(error=f'{type(exc).__name__}: {exc}', phase=phase, step=step)
+            _drain(ddp)
+            break
+        out['grad_norms'].append(float(grad_norm))
+    return out
