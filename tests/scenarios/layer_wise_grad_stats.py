@@ -1,0 +1,276 @@
+"""Scenarios: gradient statistics (grad norm, zero count) of ``LayerWiseDistributedOptimizer``.
+
+Every scenario runs on all ranks of a harness world, initialises model parallel state itself and
+returns a JSON-able dict. The expected values never come from megatron: they are computed in FP64
+from the *logical* (deduplicated) gradients the per-rank shards were cut from.
+
+The optimizer is built the way ``_get_megatron_emerging_optimizer`` builds it for
+``use_layer_wise_distributed_optimizer=True``: ``_get_param_groups`` (dense and expert groups
+together, tagged ``is_expert_parallel``), base torch optimizers from
+``_get_megatron_optimizer_based_on_param_groups(skip_megatron_wrapping=True)``, then the real
+``LayerWiseDistributedOptimizer``, which shards the params over the dense and expert DP groups and
+wraps the children for bf16. Muon itself needs the ``emerging-optimizers`` package, which is not
+installed here; the base optimizer is Adam, which LayerWise also hosts (the legacy path feeds
+non-Muon groups into it). The statistics do not depend on the update rule.
+
+Two DDP set-ups, as ``wrap_model_chunks_with_ddp`` makes them:
+- ``legacy``: plain DDP (all-reduce), LayerWise shards by its ping-pong rule and all-gathers
+  parameters itself;
+- ``layout``: DDP with the distributed-optimizer buffers and the shard-aligned layout from
+  ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (reduce-scatter).
+
+The logical model is that of ``tests.scenarios.expert_grad_stats``, with every parameter a matrix
+(``[n, 1]``) so that LayerWise manages it on both set-ups.
+"""
+
+import math
+
+import torch
+
+from tests.scenarios.expert_grad_stats import (
+    DENSE_REP,
+    DENSE_TP_SHARD,
+    EXPERT_REP,
+    EXPERT_TP_SHARD,
+    _groups,
+    _local,
+    _logical,
+)
+
+SHAPES = {
+    'dense_rep': DENSE_REP,
+    'dense_tp': DENSE_TP_SHARD,
+    'expert_rep': EXPERT_REP,
+    'expert_tp': EXPERT_TP_SHARD,
+}
+EXPERT_NAMES = ('expert_rep', 'expert_tp')
+TP_NAMES = ('dense_tp', 'expert_tp')
+SETUPS = ('legacy', 'layout')
+
+
+class _Matrices(torch.nn.Module):
+    """A bag of ``[n, 1]`` bf16 parameters; LayerWise manages matrices only."""
+
+    def __init__(self, shapes, expert_names, tp_names, device):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        for name, numel in shapes.items():
+            param = torch.nn.Parameter(torch.zeros(numel, 1, dtype=torch.bfloat16, device=device))
+            if name in tp_names:
+                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+            if name in expert_names:
+                param.allreduce = False
+            setattr(self, name, param)
+
+
+def _build(ctx, tp, shapes, expert_names, tp_names, setup):
+    """DDP-wrap the parameters and build a LayerWiseDistributedOptimizer over them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_megatron_optimizer_based_on_param_groups,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+    module = _Matrices(shapes, expert_names, tp_names, ctx.device)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=setup == 'layout'
+    )
+    kwargs = {}
+    if setup == 'layout':
+        tag_params_for_buffer_routing([module])
+        kwargs['full_param_layout'] = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in module.parameters() if p.requires_grad],
+            ddp_cfg.bucket_size,
+            ps.get_data_parallel_world_size(with_context_parallel=True),
+            ddp_cfg,
+            expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
+        )
+    model = DistributedDataParallel(cfg, ddp_cfg, module, **kwargs)
+    opt_cfg = OptimizerConfig(
+        optimizer='adam',
+        lr=0.0,
+        bf16=True,
+        clip_grad=0.0,
+        log_num_zeros_in_grad=True,
+        use_layer_wise_distributed_optimizer=True,
+    )
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    groups = _get_param_groups([model], opt_cfg, get_standard_config_overrides(opt_cfg))
+    base, init_fn = _get_megatron_optimizer_based_on_param_groups(
+        config=opt_cfg,
+        model_chunks=[model],
+        param_groups=groups,
+        model_parallel_group=pg_collection.mp,
+        pg_collection=pg_collection,
+        skip_megatron_wrapping=True,
+    )
+    optimizer = LayerWiseDistributedOptimizer(
+        [base], opt_cfg, pg_collection, init_state_fn_list=[init_fn], model_chunks=[model]
+    )
+    return model, optimizer
+
+
+def _stats(model, optimizer, grads):
+    """Write ``grads`` (name -> local tensor) into main_grad and read the optimizer's statistics."""
+    module = model.module
+    for name, value in grads.items():
+        getattr(module, name).main_grad.copy_(value.reshape(-1, 1))
+    found_inf = optimizer.prepare_grads()
+    return {
+        'found_inf': bool(found_inf),
+        'norm': float(optimizer.get_grad_norm()),
+        'zeros': int(optimizer.count_zeros()),
+    }
+
+
+def scenario_exact_oracle(ctx, tp, ep, etp, setup):
+    """One dense ``[1, 1]`` matrix and two expert ones; grads all 1 (norm) or all 0 (zero count).
+
+    The dense matrix is one logical tensor, replicated over TP and DP. Each EP rank owns one
+    logical ``expert_bias`` (not tensor-parallel, so replicated over ETP and expert DP) and one
+    ``expert_weight`` (marked tensor-parallel, as expert linear weights are, so with ETP = 1 it is
+    a whole tensor replicated over expert DP). Expected, whatever TP, ETP and the DP sizes:
+    norm sqrt(1 + 2 EP), zero count 1 + 2 EP.
+    """
+    from megatron.core import parallel_state as ps
+
+    assert etp == 1, 'expert_weight is a whole tensor only with ETP = 1'
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    shapes = {'dense': 1, 'expert_bias': 1, 'expert_weight': 1}
+    model, optimizer = _build(
+        ctx, tp, shapes, {'expert_bias', 'expert_weight'}, {'expert_weight'}, setup
+    )
+    ones = _stats(model, optimizer, {name: torch.ones(1) for name in shapes})
+    zeros = _stats(model, optimizer, {name: torch.zeros(1) for name in shapes})
+    return {
+        'groups': _groups(ctx),
+        'setup': setup,
+        'norm': ones['norm'],
+        'zeros': zeros['zeros'],
+        'expected_norm': math.sqrt(1 + 2 * ep),
+        'expected_zeros': 1 + 2 * ep,
+        'found_inf': ones['found_inf'] or zeros['found_inf'],
+    }
+
+
+def scenario_layouts(ctx, layout_list, seeds, setups=SETUPS):
+    """Random gradients over several (tp, ep, etp) layouts and both DDP set-ups in one world.
+
+    Args:
+        layout_list: list of [tp, ep, etp]; each is initialised, measured and destroyed in turn.
+        seeds: gradient draws per layout and set-up.
+        setups: DDP set-ups to build ('legacy', 'layout').
+
+    Returns:
+        {'cases': [...]} with, per (layout, setup, seed), the reported norm and zero count and
+        the FP64 oracle over the logical gradients.
+    """
+    from megatron.core import parallel_state as ps
+
+    cases = []
+    for tp, ep, etp in layout_list:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        try:
+            coords = (
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_expert_model_parallel_rank(),
+                ps.get_expert_tensor_parallel_rank(),
+            )
+            for setup in setups:
+                model, optimizer = _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup)
+                for seed in seeds:
+                    logical = _logical(seed, tp, ep, etp)
+                    local = {k: v.float() for k, v in _local(logical, *coords).items()}
+                    got = _stats(model, optimizer, local)
+                    flat = torch.cat([v.reshape(-1) for v in logical.values()])
+                    cases.append(
+                        {
+                            'layout': [tp, ep, etp],
+                            'setup': setup,
+                            'seed': seed,
+                            'norm': got['norm'],
+                            'zeros': got['zeros'],
+                            'oracle_norm': float(flat.pow(2).sum().sqrt()),
+                            'oracle_zeros': int((flat == 0).sum()),
+                        }
+                    )
+                del model, optimizer
+        finally:
+            ps.destroy_model_parallel()
+    return {'cases': cases}
+
+
+def scenario_step(ctx, layout_list, seed, setups=SETUPS, lr=0.5):
+    """One real optimizer step per layout and set-up: every rank must end with the right params.
+
+    The params start at 0 and the step is Adam's first (lr ``lr``, no clipping), so each element
+    moves by ``-lr * g / (|g| + eps)``, which is ``-lr * sign(g)`` once rounded to bf16. A rank
+    that updates a param it does not own, or misses the all-gather of one it does not own, ends
+    with a different value. Gradients are the local shards of one logical draw, identical on
+    every replica (as after DDP's gradient sync).
+
+    Returns:
+        {'cases': [...]} with, per (layout, setup), the number of param elements on this rank that
+        differ from the expected value and the expected sum of |update|.
+    """
+    from megatron.core import parallel_state as ps
+
+    cases = []
+    for tp, ep, etp in layout_list:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        try:
+            coords = (
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_expert_model_parallel_rank(),
+                ps.get_expert_tensor_parallel_rank(),
+            )
+            for setup in setups:
+                model, optimizer = _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup)
+                for group in optimizer.param_groups:
+                    group['lr'] = lr
+                local = {
+                    k: v.float() for k, v in _local(_logical(seed, tp, ep, etp), *coords).items()
+                }
+                module = model.module
+                for name, value in local.items():
+                    getattr(module, name).main_grad.copy_(value.reshape(-1, 1))
+                optimizer.step()
+                wrong = 0
+                for name, value in local.items():
+                    got = getattr(module, name).detach().float().reshape(-1)
+                    wrong += int((got != -lr * torch.sign(value)).sum())
+                cases.append({'layout': [tp, ep, etp], 'setup': setup, 'wrong_elements': wrong})
+                del model, optimizer
+        finally:
+            ps.destroy_model_parallel()
+    return {'cases': cases}
