@@ -35,8 +35,10 @@ EXACT = {
 }
 
 
-# The emerging-optimizer path of get_megatron_optimizer (optimizer='lion': the wrapper is built and
-# given its TP groups at a second call site). It needs the emerging-optimizers package, which the
+# The emerging-optimizer entry of get_megatron_optimizer (optimizer='lion'). These 1-D params are
+# routed by lion's default overrides to its Adam fallback, so the wrappers come from the standard
+# call site; the emerging wrapper call site (2-D weights) is NOT reached yet (mutation
+# 0005-emerging-call-site-no-groups survives). Needs the emerging-optimizers package, which the
 # CPU suite's requirements do not install; without it these arms are not registered and skip.
 HAVE_EMERGING = importlib.util.find_spec('emerging_optimizers') is not None
 EMERGING = {
@@ -123,7 +125,7 @@ def test_fork_exact_oracle(world, name):
 @pytest.mark.skipif(not HAVE_EMERGING, reason='emerging-optimizers is not installed')
 @pytest.mark.parametrize('name', list(EMERGING))
 def test_emerging_optimizer_path(name):
-    """The emerging-optimizer call site attaches both groups too; pristine 0.18.2 undercounts."""
+    """The emerging-optimizer entry attaches both groups too; pristine 0.18.2 undercounts."""
     fork, pristine = _world('fork', 2)[name], _world('pristine-0.18.2', 2)[name]
     _check_exact(fork, 2, expect_fixed=True)
     _check_exact(pristine, 2, expect_fixed=False)
