@@ -121,7 +121,31 @@ def default_timeout(n_calls):
     return float(os.environ.get('FORK_TEST_WORLD_TIMEOUT', 0)) or 180.0 + 60.0 * n_calls
 
 
+_START_ATTEMPTS = 3
+
+
 def run_world(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_s=None):
+    """Launch ``world_size`` ranks once and run every call in order (see :func:`_run_world_once`).
+
+    The master port is picked free and released before rank 0 binds it, so another process can
+    take it in between; a world that failed to start on ``EADDRINUSE`` is launched again on a new
+    port (up to 3 attempts). Any other failure is raised at once.
+    """
+    for attempt in range(_START_ATTEMPTS):
+        try:
+            return _run_world_once(world_size, tree, calls, timeout, extra_env, pg_timeout_s)
+        except TreeShadowedError:
+            raise
+        except HarnessError as exc:
+            text = str(exc)
+            port_taken = 'failed to start' in text and (
+                'EADDRINUSE' in text or 'address already in use' in text.lower()
+            )
+            if not port_taken or attempt == _START_ATTEMPTS - 1:
+                raise
+
+
+def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_s=None):
     """Launch ``world_size`` ranks once and run every call in order.
 
     Args:
