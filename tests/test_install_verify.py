@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import bases
+
 REPO = Path(__file__).resolve().parents[1]
-BASE = "0.18.2"
+# tools/install.sh (and so tools/test.sh) installs the default base of patches/upstream.toml.
+BASE = bases.PIN["default"]
 PRISTINE = f"pristine-{BASE}"
 
 
