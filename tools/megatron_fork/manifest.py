@@ -80,6 +80,16 @@ def verify(manifest_path=None, do_import=False):
         manifest_path = installed_manifest()
     manifest_path = Path(manifest_path)
     if not manifest_path.is_file():
+        try:
+            dist = importlib.metadata.distribution("megatron-core")
+        except importlib.metadata.PackageNotFoundError:
+            dist = None
+        if dist is not None and "+fork." not in dist.version:
+            # e.g. `pip install --force-reinstall megatron-core==X` replaced the fork.
+            return False, [
+                f"megatron-core {dist.version} at {dist.locate_file('')} is upstream's, not the "
+                "fork: it replaced or shadows the fork (run tools/install.sh again)"
+            ]
         return False, [
             f"no fork manifest at {manifest_path}: the fork is not installed here "
             "(run tools/install.sh, or pip install . after tools/fork.py materialize)"
