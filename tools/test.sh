@@ -39,7 +39,17 @@ status=0
 if [ $# -gt 0 ]; then
   run "${FORK_TEST_BASE:-$default}" "$@" || status=$?
 else
-  run "$default" tests || status=$?
+  # The property tests of 0006-0009 build hundreds of gloo groups (each keeps its threads for the
+  # life of the world) and take over 30 min on 2 cores: they run with FORK_TEST_FULL=1.
+  heavy=()
+  if [ -z "${FORK_TEST_FULL:-}" ]; then
+    for f in test_attention_sink_grad_stats test_grad_ready_diagnostics test_param_norm \
+      test_layer_wise_grad_stats; do
+      heavy+=(--ignore "tests/$f.py")
+    done
+    echo "(FORK_TEST_FULL unset: ${#heavy[@]} heavy fix files left out; see tools/test.sh)"
+  fi
+  run "$default" tests "${heavy[@]}" || status=$?
   for base in $releases; do
     [ "$base" = "$default" ] && continue
     run "$base" "${counterfactual[@]}" || { rc=$?; [ "$status" = 0 ] && status=$rc; }
