@@ -4,8 +4,8 @@ One launched world per (tree, world size); every scenario of that world runs in 
 - fork: exact oracle and every TP/EP/ETP layout match the FP64 reduction over logical params.
 - pristine-0.19.2 (upstream fix, PR 5916): same values as the fork.
 - pristine-0.18.2 (counterfactual): exact oracle reports sqrt(2) and 2 at any world size.
-Item 6 (EP = 1, ETP != TP, a gradient-sync problem the series does not fix) is pinned on the
-fork so that a change of behaviour is noticed; see docs/expert-grad-stats.md.
+Item 6 (EP = 1, ETP != TP: expert grads synced as dense, patch 0010): fixed on the fork of every
+base; pristine shows the dense sync wherever upstream lacks #5916's layer change.
 """
 
 import importlib.util
@@ -14,6 +14,7 @@ import math
 import pytest
 
 from tests.harness import call
+from tests.harness.bases import PRISTINE, upstream_has
 from tests.scenarios.expert_grad_stats import layouts
 
 MOD = 'tests.scenarios.expert_grad_stats'
@@ -51,6 +52,16 @@ TORCH_DTYPE = {'bf16': 'torch.bfloat16', 'fp16': 'torch.float16', 'fp32': 'torch
 OPTIMIZER = {'bf16': 'Float16Optimizer', 'fp16': 'Float16Optimizer', 'fp32': 'FP32Optimizer'}
 
 
+# Item 6: EP = 1 with ETP != TP, both ways round, on real expert layers in DDP.
+ITEM6 = {'item6_tp2_etp1': dict(tp=2, ep=1, etp=1), 'item6_tp1_etp2': dict(tp=1, ep=1, etp=2)}
+
+
+def _item6_calls(tree):
+    return {
+        name: call(2, tree, f'{MOD}:scenario_expert_layer_sync', **kw) for name, kw in ITEM6.items()
+    }
+
+
 def _register(tree, world_size, with_layouts):
     """Register this module's calls for (tree, world_size); they share the launch of that world.
 
@@ -72,10 +83,8 @@ def _register(tree, world_size, with_layouts):
             layout_list=layouts(world_size),
             seeds=SEEDS,
         )
-    if world_size == 2 and tree == 'fork':
-        calls['item6'] = call(
-            world_size, tree, f'{MOD}:scenario_expert_layer_sync', tp=2, ep=1, etp=1
-        )
+    if world_size == 2 and tree in ('fork', PRISTINE):
+        calls.update(_item6_calls(tree))
     return calls
 
 
@@ -86,6 +95,8 @@ CALLS = {
 }
 # World 1 (TP = EP = ETP = 1) is the only layout one GPU can run; there the oracle is sqrt(2), 2.
 CALLS[('fork', 1)] = _register('fork', 1, True)
+if (PRISTINE, 2) not in CALLS:  # dev: item 6 on the pristine dev tree
+    CALLS[(PRISTINE, 2)] = _item6_calls(PRISTINE)
 
 
 def _world(tree, world_size):
@@ -166,15 +177,33 @@ def test_pristine_0_18_2_undercounts(world, name):
     _check_exact(_world('pristine-0.18.2', world)[name], world, expect_fixed=False)
 
 
-def test_fork_item6_ep1_etp_ne_tp_still_dense_synced():
-    """Known, documented limitation: TP2/EP1/ETP1 expert params are synced as dense params."""
-    per_rank = _world('fork', 2)['item6']
+def _check_item6(per_rank, fixed):
     for rank, res in enumerate(per_rank):
-        assert set(res['allreduce'].values()) == {True}
-        assert set(res['buffer'].values()) == {'dense'}
-        # Dense DP has one rank here, so the two expert-DP replicas are not summed (3.0).
-        assert set(res['grad_after_sync'].values()) == {float(rank + 1)}
-        assert res['correct_grad_after_sync'] == 3.0
+        grads, correct = res['grad_after_sync'], res['correct_grad_after_sync']
+        if fixed:
+            # Reduced over expert DP and scaled by 1/|dense DP|, as DDP does for expert buffers.
+            assert set(res['allreduce'].values()) == {False}, res['allreduce']
+            assert set(res['buffer'].values()) == {'expert'}, res['buffer']
+            assert set(grads.values()) == {correct}, (rank, grads, correct)
+            assert res['norm'] == pytest.approx(res['expected_norm'], rel=REL)
+        else:
+            # Synced as dense params over the dense DP group: the wrong replicas are summed.
+            assert set(res['allreduce'].values()) == {True}, res['allreduce']
+            assert set(res['buffer'].values()) == {'dense'}, res['buffer']
+            assert correct not in set(grads.values()), (rank, grads, correct)
+            assert res['norm'] != pytest.approx(res['expected_norm'], rel=REL)
+
+
+@pytest.mark.parametrize('name', list(ITEM6))
+def test_fork_item6_ep1_etp_ne_tp_expert_dp_synced(name):
+    """EP = 1, ETP != TP (patch 0010, #5916's use_expert_pgs): expert grads over expert DP."""
+    _check_item6(_world('fork', 2)[name], fixed=True)
+
+
+@pytest.mark.parametrize('name', list(ITEM6))
+def test_pristine_item6_ep1_etp_ne_tp(name):
+    """Counterfactual: bases without #5916's layer change sync these expert params as dense."""
+    _check_item6(_world(PRISTINE, 2)[name], fixed=upstream_has('expert-dp-sync-ep1'))
 
 
 @pytest.mark.parametrize('world', [2, 4])

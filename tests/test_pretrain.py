@@ -1,8 +1,8 @@
 """Upstream's real pretrain() with --warmup-train-steps (patch 0003), end to end.
 
-Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at core_v0.18.2, never
-committed) through megatron.training.pretrain(): model_provider + gpt_builder, forward_step,
-MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with
+Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at the selected base's
+ref, bases.upstream_ref(): core_v0.18.2, core_r0.19.0 or the dev pin; never committed) through
+megatron.training.pretrain(): model_provider + gpt_builder, forward_step, MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with
 overlap_grad_reduce and the distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
 harness's CUDA redirect plus its pretrain mode) at world sizes 1 and 2, or on GPUs with
 FORK_TEST_BACKEND=nccl.
@@ -12,18 +12,19 @@ FORK_TEST_BACKEND=nccl.
   so are the model and optimizer after the last iteration.
 - The warmup really ran: pretrain() called run_warmup once with 2 steps, before train() on the
   'pretrain' path and inside it on 'first_train_step', and logged its report lines.
-- Counterfactual: pristine 0.18.2 rejects the flag with argparse's exact error (exit 2); without
+- Counterfactual: the pristine base rejects the flag with argparse's exact error (exit 2); without
   the flag it trains exactly as the fork does.
 """
 
 import pytest
 
-from tests.harness import call
+from tests.harness import bases, call
 from tests.scenarios.pretrain import tiny_gpt_args
 
 S = 'tests.scenarios.pretrain:scenario_pretrain_gpt'
-FORK = 'fork'
-PRISTINE = 'pristine-0.18.2'
+FORK = bases.FORK
+PRISTINE = bases.PRISTINE
+REF = bases.upstream_ref()  # pretrain_gpt.py and its helpers at the base's own version
 ITERS = 4
 WARMUP = ['--warmup-train-steps', '2']
 ARMS = {
@@ -38,10 +39,12 @@ def _argv(ws, arm):
 
 
 RUNS = {
-    (ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), timeout=300) for ws in (1, 2) for arm in ARMS
+    (ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), tag=REF, timeout=300)
+    for ws in (1, 2)
+    for arm in ARMS
 }
-PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'pretrain'), timeout=120)
-PRISTINE_NONE = call(1, PRISTINE, S, argv=_argv(1, 'none'), timeout=300)
+PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'pretrain'), tag=REF, timeout=120)
+PRISTINE_NONE = call(1, PRISTINE, S, argv=_argv(1, 'none'), tag=REF, timeout=300)
 
 
 def _ok(handle):

@@ -86,6 +86,16 @@ def working_tree_base():
         return f.read().strip()
 
 
+def upstream_ref(base=None):
+    """The Megatron-LM git ref of ``base`` (default: the selected one): its tag or pinned commit.
+
+    Used to read upstream files that the wheels do not ship (``pretrain_gpt.py``) at the version
+    that matches the base.
+    """
+    pin = PIN['bases'][base or BASE]
+    return pin.get('commit') or pin['git_tag']
+
+
 def source_args(base):
     """Extra tools/fork.py arguments to obtain ``base`` (the checkout for a git base)."""
     if not is_git_base(base):

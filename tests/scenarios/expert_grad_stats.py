@@ -303,7 +303,7 @@ def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(
 def scenario_expert_layer_sync(ctx, tp, ep, etp):
     """Item 6: real expert linear layers with EP = 1 and ETP != TP (or any layout).
 
-    Builds an expert ColumnParallelLinear (no bias) and RowParallelLinear (with bias) from
+    Builds an expert ColumnParallelLinear and RowParallelLinear (both with a bias) from
     megatron's local tensor-parallel layers, wraps them in DDP and reports:
     - the ``allreduce`` flag each layer put on its params and the DDP buffer kind (dense or expert)
       that holds them, with the size of the data-parallel group that reduces that buffer;
@@ -348,7 +348,7 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
             super().__init__()
             common = dict(config=cfg, init_method=lambda w: None, is_expert=True)
             self.fc1 = ColumnParallelLinear(
-                hidden, ffn, bias=False, gather_output=False, skip_bias_add=True, **common
+                hidden, ffn, bias=True, gather_output=False, skip_bias_add=True, **common
             )
             self.fc2 = RowParallelLinear(
                 ffn, hidden, bias=True, input_is_parallel=True, skip_bias_add=True, **common
@@ -357,7 +357,7 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     model = DistributedDataParallel(
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
     )
-    names = ['fc1.weight', 'fc2.weight', 'fc2.bias']
+    names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
     params = dict(model.module.named_parameters())
     expert_buffer_params = {p for b in model.expert_parallel_buffers for p in b.params}
     placement = {n: ('expert' if params[n] in expert_buffer_params else 'dense') for n in names}
@@ -386,9 +386,10 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         params[n].main_grad.fill_(1.0)
     opt.prepare_grads()
     norm = float(opt.get_grad_norm())
-    # Logical expert elements: fc1/fc2 weights are split over ETP, distinct per EP rank; the
-    # fc2 bias (not tensor-parallel) is replicated over ETP. Each expert (EP rank) owns one copy.
-    logical = ep * (hidden * ffn + ffn * hidden + hidden)
+    # Logical expert elements: fc1/fc2 weights and the fc1 bias are split over ETP, distinct per
+    # EP rank; the fc2 bias (not tensor-parallel) is replicated over ETP. Each expert (EP rank)
+    # owns one copy.
+    logical = ep * (hidden * ffn + ffn + ffn * hidden + hidden)
     return {
         'groups': _groups(ctx),
         'allreduce': allreduce,
