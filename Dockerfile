@@ -7,8 +7,8 @@
 #
 # Both targets keep the base image's torch and run the same installer as the README and CI:
 #   tools/install.sh --python python3 --no-venv --no-torch [--wheel-dir DIR --offline]
-# Offline build: put the hash-pinned upstream wheel (megatron-core 0.18.2, see
-# patches/upstream.toml) into .whl/ in the build context, e.g. with
+# Offline build: put the hash-pinned upstream wheel of the default base (megatron-core 0.19.2,
+# see patches/upstream.toml) into .whl/ in the build context, e.g. with
 #   python tools/fork.py fetch --wheel-dir .whl
 # and build with --build-arg OFFLINE=1 (UPSTREAM_WHEEL_DIR names another context directory).
 # docs/containers.md has the details, the CI wiring and what was not run.

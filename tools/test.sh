@@ -17,7 +17,8 @@ releases=$($py -c 'import tomllib; p = tomllib.load(open("patches/upstream.toml"
 print(" ".join(b for b in p["maintained"] if "commit" not in p["bases"][b]))')
 # The counterfactual files: each arm runs the real upstream code of the selected base.
 counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_expert_grad_stats.py
-  tests/test_ddp_training.py)
+  tests/test_ddp_training.py tests/test_grad_ready_diagnostics.py tests/test_attention_sink_grad_stats.py
+  tests/test_param_norm.py tests/test_layer_wise_grad_stats.py tests/test_pretrain.py)
 
 run() {  # run BASE pytest-args...: one pytest run on one base, with its wall time
   local base=$1 t0 rc
@@ -39,17 +40,7 @@ status=0
 if [ $# -gt 0 ]; then
   run "${FORK_TEST_BASE:-$default}" "$@" || status=$?
 else
-  # The property tests of 0006-0009 build hundreds of gloo groups (each keeps its threads for the
-  # life of the world) and take over 30 min on 2 cores: they run with FORK_TEST_FULL=1.
-  heavy=()
-  if [ -z "${FORK_TEST_FULL:-}" ]; then
-    for f in test_attention_sink_grad_stats test_grad_ready_diagnostics test_param_norm \
-      test_layer_wise_grad_stats; do
-      heavy+=(--ignore "tests/$f.py")
-    done
-    echo "(FORK_TEST_FULL unset: $(( ${#heavy[@]} / 2 )) heavy fix files left out; see tools/test.sh)"
-  fi
-  run "$default" tests "${heavy[@]}" || status=$?
+  run "$default" tests || status=$?
   for base in $releases; do
     [ "$base" = "$default" ] && continue
     run "$base" "${counterfactual[@]}" || { rc=$?; [ "$status" = 0 ] && status=$rc; }

@@ -11,6 +11,7 @@ the whole batch for its (world_size, tree) and every later test reads the cached
         per_rank = TRAIN.result()      # list of per-rank dicts (skips under nccl if too few GPUs)
 """
 
+import json
 import os
 import threading
 
@@ -19,6 +20,7 @@ from tests.harness import launcher
 _LOCK = threading.Lock()
 _PENDING = {}  # (world_size, tree) -> [Call] not yet run
 _BATCH_TIMEOUT = {}  # (world_size, tree) -> extra seconds requested by callers
+_BY_KEY = {}  # (world_size, tree, target, kwargs as JSON) -> the first Call registered for it
 
 
 class Call:
@@ -67,21 +69,41 @@ def skip_reason(world_size):
     return None
 
 
-def call(world_size, tree, target, timeout=None, **kwargs):
+def canonical_tree(tree):
+    """'fork' and 'pristine' name the selected base's trees: 'fork-<BASE>', 'pristine-<BASE>'.
+
+    So a call for 'fork' and one for 'fork-<BASE>' share one world.
+    """
+    from tests.harness import bases  # pylint: disable=import-outside-toplevel
+
+    if tree in ('fork', 'pristine'):
+        return f'{tree}-{bases.BASE}'
+    return tree
+
+
+def call(world_size, tree, target, timeout=None, reuse=False, **kwargs):
     """Register ``target(ctx, **kwargs)`` to run in the shared (world_size, tree) world.
 
     Args:
         world_size: ranks.
-        tree: 'fork', 'pristine-<ver>' or an absolute path.
+        tree: 'fork', 'pristine', 'fork-<base>', 'pristine-<base>' or an absolute path.
         target: "tests.scenarios.module:function".
         timeout: extra seconds this call may need on top of the per-call default.
+        reuse: return the Call registered earlier with the same world, tree, target and kwargs
+            (if any) instead of running the scenario again; for readers of results that another
+            module already asks for (the README's demo table).
         **kwargs: JSON-able keyword arguments for the scenario.
 
     Returns:
         Call: use ``.result()`` inside the test.
     """
-    c = Call(world_size, tree, target, kwargs, timeout)
+    tree = canonical_tree(tree)
+    key = (world_size, tree, target, json.dumps(kwargs, sort_keys=True))
     with _LOCK:
+        if reuse and key in _BY_KEY:
+            return _BY_KEY[key]
+        c = Call(world_size, tree, target, kwargs, timeout)
+        _BY_KEY.setdefault(key, c)
         _PENDING.setdefault((world_size, tree), []).append(c)
     return c
 

@@ -35,7 +35,10 @@ def _reset_globals():
     """Destroy model-parallel state and other megatron globals between calls."""
     from megatron.core import parallel_state
 
+    from tests.harness import group_cache
+
     parallel_state.destroy_model_parallel()
+    group_cache.STATE.reset()
     try:
         from megatron.core import num_microbatches_calculator as nmc
 
@@ -119,6 +122,12 @@ def main(spec_path, rank):
         tree_path=tree,
     )
     _log(f'[rank {rank}] process group ready')
+    if os.environ.get('FORK_TEST_REUSE_GROUPS', '1') != '0':
+        from megatron.core import parallel_state
+
+        from tests.harness import group_cache
+
+        group_cache.install(dist, parallel_state)
     results = []
     broken = None
     for target, kwargs in spec['calls']:
