@@ -701,3 +701,29 @@ def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_n
     assert not (sandbox / "build" / "rebase").exists()
     assert not (series_dir(sandbox).parent / "next").exists()
     assert (series_dir(sandbox) / "0001-a.patch").read_text() == before
+
+
+MIRROR = Path(os.environ.get("FORK_MEGATRON_LM", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+MAIN = "d98e8a64"  # Megatron-LM main, 2026-08: has #5916 (cd4afffa64) and has moved on since
+
+
+@pytest.mark.skipif(
+    subprocess.run(
+        ["git", "-C", str(MIRROR), "cat-file", "-e", f"{MAIN}^{{commit}}"], capture_output=True
+    ).returncode
+    != 0,
+    reason=f"needs a Megatron-LM clone with {MAIN} (FORK_MEGATRON_LM)",
+)
+def test_status_names_a_merged_backport_upstream_on_a_ref_that_moved_on():
+    """0008 and 0010 conflict on main, but main contains #5916: status says upstream, and why."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "fork.py"), "status", "--git-repo", str(MIRROR),
+         "--rev", MAIN],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {l.split()[0]: l.split()[1] for l in proc.stdout.splitlines() if len(l.split()) == 2}
+    assert rows["expert-dp-sync-ep1"] == "upstream"
+    assert rows["param-norm-expert-tp-dedup"] == "upstream"
+    assert rows["layer-wise-expert-grad-stats"] == "CONFLICT"  # not upstream: stays a conflict
+    assert f"expert-dp-sync-ep1: upstream commit cd4afffa64 is an ancestor of {MAIN}" in proc.stdout

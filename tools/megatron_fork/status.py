@@ -250,6 +250,18 @@ def status(pin, names, revs=(), git_repo=None, am3=False, source=None, ref_serie
                     column.cells[_row_key(patch)] = (UPSTREAM, detail)
                 else:
                     column.cells[_row_key(patch)] = by_name[patch.name]
+                commit = changes.get(patch.change, {}).get("upstream_commit")
+                outcome = column.cells[_row_key(patch)][0]
+                if (
+                    outcome == CONFLICT
+                    and column.rev
+                    and commit
+                    and _is_ancestor(git_repo, commit, column.rev)
+                ):
+                    # Upstream's own version was merged and has moved on since, so neither the
+                    # backport nor upstream's hunks reverse-apply; the history says it is there.
+                    detail = f"upstream commit {commit[:10]} is an ancestor of {column.label}"
+                    column.cells[_row_key(patch)] = (UPSTREAM, detail)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         for slug, entry in changes.items():
