@@ -85,6 +85,13 @@ def _register(tree, world_size, with_layouts):
         )
     if world_size == 2 and tree in ('fork', PRISTINE):
         calls.update(_item6_calls(tree))
+    if tree in ('fork', PRISTINE) and world_size in (2, 4):
+        calls['sync_layouts'] = call(
+            world_size,
+            tree,
+            f'{MOD}:scenario_expert_layer_sync_layouts',
+            layout_list=layouts(world_size),
+        )
     return calls
 
 
@@ -97,6 +104,16 @@ CALLS = {
 CALLS[('fork', 1)] = _register('fork', 1, True)
 if (PRISTINE, 2) not in CALLS:  # dev: item 6 on the pristine dev tree
     CALLS[(PRISTINE, 2)] = _item6_calls(PRISTINE)
+for _world_size in (2, 4):  # dev: the sync property on the pristine dev tree
+    CALLS.setdefault((PRISTINE, _world_size), {}).setdefault(
+        'sync_layouts',
+        call(
+            _world_size,
+            PRISTINE,
+            f'{MOD}:scenario_expert_layer_sync_layouts',
+            layout_list=layouts(_world_size),
+        ),
+    )
 
 
 def _world(tree, world_size):
@@ -204,6 +221,29 @@ def test_fork_item6_ep1_etp_ne_tp_expert_dp_synced(name):
 def test_pristine_item6_ep1_etp_ne_tp(name):
     """Counterfactual: bases without #5916's layer change sync these expert params as dense."""
     _check_item6(_world(PRISTINE, 2)[name], fixed=upstream_has('expert-dp-sync-ep1'))
+
+
+@pytest.mark.parametrize('world', [2, 4])
+def test_expert_grad_sync_property_over_every_layout(world):
+    """Real expert layers in DDP, every (TP, EP, ETP) within the world: the fork sums expert
+    grads over expert DP and reports sqrt(logical elements) everywhere; pristine syncs them wrong
+    exactly where EP = 1 and ETP != TP, unless the base has #5916's layer change (its norm may
+    be wrong elsewhere too, where the grad-stats backports are missing)."""
+    every = set(layouts(world))
+    for rank, res in enumerate(_world('fork', world)['sync_layouts']):
+        cases = res['cases']
+        assert {tuple(c['layout']) for c in cases} == every
+        assert [c for c in cases if not (c['grads_ok'] and c['norm_ok'])] == [], rank
+        for c in cases:  # where the groups differ, expert params live in the expert buffers
+            tp, ep, etp = c['layout']
+            assert c['buffer'] == (['expert'] if ep > 1 or etp != tp else ['dense']), c
+    expected = set()
+    if not upstream_has('expert-dp-sync-ep1'):
+        expected = {(tp, ep, etp) for tp, ep, etp in every if ep == 1 and etp != tp}
+    for rank, res in enumerate(_world(PRISTINE, world)['sync_layouts']):
+        cases = res['cases']
+        assert {tuple(c['layout']) for c in cases} == every
+        assert {tuple(c['layout']) for c in cases if not c['grads_ok']} == expected, rank
 
 
 @pytest.mark.parametrize('world', [2, 4])

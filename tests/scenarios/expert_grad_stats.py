@@ -328,6 +328,8 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     kwargs = {}
     if ep > 1:
         kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
+        if etp > 1:
+            kwargs['add_bias_linear'] = False  # upstream: MoE biases need ETP == 1
     cfg = TransformerConfig(
         num_layers=1,
         hidden_size=16,
@@ -343,21 +345,24 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         **kwargs,
     )
 
+    # Upstream refuses biases on MoE experts with ETP > 1 (TransformerConfig is MoE when EP > 1).
+    bias = not (ep > 1 and etp > 1)
+
     class _Experts(torch.nn.Module):
         def __init__(self):
             super().__init__()
             common = dict(config=cfg, init_method=lambda w: None, is_expert=True)
             self.fc1 = ColumnParallelLinear(
-                hidden, ffn, bias=True, gather_output=False, skip_bias_add=True, **common
+                hidden, ffn, bias=bias, gather_output=False, skip_bias_add=True, **common
             )
             self.fc2 = RowParallelLinear(
-                ffn, hidden, bias=True, input_is_parallel=True, skip_bias_add=True, **common
+                ffn, hidden, bias=bias, input_is_parallel=True, skip_bias_add=True, **common
             )
 
     model = DistributedDataParallel(
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
     )
-    names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
+    names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias'] if bias else ['fc1.weight', 'fc2.weight']
     params = dict(model.module.named_parameters())
     expert_buffer_params = {p for b in model.expert_parallel_buffers for p in b.params}
     placement = {n: ('expert' if params[n] in expert_buffer_params else 'dense') for n in names}
@@ -389,7 +394,7 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     # Logical expert elements: fc1/fc2 weights and the fc1 bias are split over ETP, distinct per
     # EP rank; the fc2 bias (not tensor-parallel) is replicated over ETP. Each expert (EP rank)
     # owns one copy.
-    logical = ep * (hidden * ffn + ffn + ffn * hidden + hidden)
+    logical = ep * (hidden * ffn + ffn * hidden + ((ffn + hidden) if bias else 0))
     return {
         'groups': _groups(ctx),
         'allreduce': allreduce,
@@ -401,3 +406,30 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         'norm': norm,
         'expected_norm': math.sqrt(logical),
     }
+
+
+def scenario_expert_layer_sync_layouts(ctx, layout_list):
+    """``scenario_expert_layer_sync`` over several (tp, ep, etp) layouts in one world.
+
+    Returns:
+        {'cases': [per layout: layout, whether every expert grad equals the expert-DP sum after
+        finish_grad_sync on this rank, and whether the grad norm equals sqrt(logical elements)]}.
+    """
+    from megatron.core import parallel_state as ps
+
+    cases = []
+    for tp, ep, etp in layout_list:
+        try:
+            res = scenario_expert_layer_sync(ctx, tp, ep, etp)
+        finally:
+            ps.destroy_model_parallel()
+        cases.append(
+            {
+                'layout': [tp, ep, etp],
+                'buffer': sorted(set(res['buffer'].values())),
+                'grads_ok': set(res['grad_after_sync'].values())
+                == {res['correct_grad_after_sync']},
+                'norm_ok': math.isclose(res['norm'], res['expected_norm'], rel_tol=1e-6),
+            }
+        )
+    return {'cases': cases}
