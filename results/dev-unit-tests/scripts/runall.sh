@@ -1,6 +1,6 @@
 #!/bin/bash
 # Recorded as run on 2026-12-03 (paths of that session: /tmp/devtrees2, /work/wt-unit); see ../README.md.
-# CPU runs of the upstream-layout tests: native (no plugin) and gloo (plugin), pristine vs fork.
+# CPU runs of the upstream-layout tests: native (no plugin) and gloo (plugin, worlds 1, 2, 4), pristine vs fork.
 D=/tmp/devtrees2; R=$D/results; mkdir -p $R
 export FORK_CPU_REDIRECT=/work/wt-unit/tests/harness/cpu_redirect.py
 PY=/work/main/.venv/bin/python
@@ -15,4 +15,6 @@ for tree in pristine fork; do
   echo "cpu-gloo-w1-$tree rc=$?"
   PYTHONPATH=/work/wt-unit/results/dev-unit-tests:/tmp/devtrees/site timeout 900 /work/main/.venv/bin/torchrun --nproc_per_node 2 --master_port 29543 --log-dir $R/w2-$tree --redirects 3 --tee 0 -m pytest -p cpu_gloo_plugin $OPTS $MULTI > $R/cpu-gloo-w2-$tree.log 2>&1
   echo "cpu-gloo-w2-$tree rc=$?"
+  PYTHONPATH=/work/wt-unit/results/dev-unit-tests:/tmp/devtrees/site timeout 900 /work/main/.venv/bin/torchrun --nproc_per_node 4 --master_port 29545 --log-dir $R/w4-$tree --redirects 3 --tee 0 -m pytest -p cpu_gloo_plugin $OPTS $MULTI > $R/cpu-gloo-w4-$tree.log 2>&1
+  echo "cpu-gloo-w4-$tree rc=$?"
 done
