@@ -727,3 +727,65 @@ def test_status_names_a_merged_backport_upstream_on_a_ref_that_moved_on():
     assert rows["param-norm-expert-tp-dedup"] == "upstream"
     assert rows["layer-wise-expert-grad-stats"] == "CONFLICT"  # not upstream: stays a conflict
     assert f"expert-dp-sync-ep1: upstream commit cd4afffa64 is an ancestor of {MAIN}" in proc.stdout
+
+
+def test_patch_adding_an_upstream_layout_test_is_tracked_by_the_queue(sandbox):
+    """A patch may add its regression test under tests/unit_tests/ (upstream's layout).
+
+    materialize places it beside megatron/, commit/export carry edits to it, a series without it
+    removes it, and a file name containing 'offset' is no hunk offset.
+    """
+    test_rel = "tests/unit_tests/distributed/test_offset_and_fuzz_names.py"
+    work = sandbox.parent / "work-unit-test"
+    (work / Path(TARGET).parent).mkdir(parents=True)
+    shutil.copy(sandbox / TARGET, work / TARGET)
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    text = (work / TARGET).read_text()
+    (work / TARGET).write_text(
+        text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1)
+    )
+    (work / test_rel).parent.mkdir(parents=True)
+    (work / test_rel).write_text("def test_default():\n    assert True\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run(
+        [
+            *git,
+            "commit",
+            "-qm",
+            "test: change a default\n\nBody.\n\nUpstream-Status: not-forwarded",
+        ],
+        check=True,
+    )
+    patch = subprocess.run(
+        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    (series_dir(sandbox) / "0001-a.patch").write_text(patch)
+    add_to_series(sandbox, "0001-a.patch")
+
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 0, proc.stderr
+    assert (sandbox / test_rel).read_text().startswith("def test_default")
+    assert run(sandbox, "export").returncode == 0
+    proc = run(sandbox, "check")
+    assert proc.returncode == 0, proc.stderr
+
+    (sandbox / test_rel).write_text((sandbox / test_rel).read_text() + "# edited\n")
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 6 and test_rel in proc.stderr
+    assert run(sandbox, "commit", "--to", "0001-a.patch").returncode == 0
+    assert run(sandbox, "export").returncode == 0
+    assert "+# edited" in (series_dir(sandbox) / "0001-a.patch").read_text()
+    assert run(sandbox, "check").returncode == 0
+
+    (series_dir(sandbox) / "series").write_text("")
+    (series_dir(sandbox) / "0001-a.patch").unlink()
+    proc = run(sandbox, "materialize", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert not (sandbox / "tests" / "unit_tests").exists()
+    assert "overlap_grad_reduce: bool = False" in (sandbox / TARGET).read_text()

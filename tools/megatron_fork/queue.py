@@ -50,6 +50,11 @@ FORMAT_OPTS = [
     "--no-numbered", "--subject-prefix=PATCH",
 ]  # fmt: skip
 PY_CACHE = (":(exclude,glob)**/__pycache__/**", ":(exclude,glob)**/*.pyc")
+# What the queue tracks: megatron/ and the upstream-layout regression tests that patches add
+# (new files under tests/unit_tests/, e.g. for dev, whose patches are upstream PRs). The
+# upstream tree itself brings megatron/ only; tests/unit_tests/ holds just what the series adds.
+UNIT_TESTS = "tests/unit_tests"
+TRACKED = ("megatron", UNIT_TESTS)
 
 
 @dataclass(frozen=True)
@@ -109,18 +114,30 @@ def git(work_tree, git_dir, *args, check=True, env=None, **kwargs):
 
 
 def pq(ws, *args, **kwargs):
-    """Run git on the workspace's queue (work tree = its root, megatron/ only)."""
+    """Run git on the workspace's queue (work tree = its root, the TRACKED paths only)."""
     return git(ws.root, ws.pq, *args, **kwargs)
 
 
-def _dirty(ws):
-    """Return the edits in megatron/ not yet in a queue commit (tracked and new files).
+def _tracked(ws):
+    """The TRACKED paths that exist in the work tree or in the queue's index (for pathspecs)."""
+    return [
+        path
+        for path in TRACKED
+        if (ws.root / path).exists() or pq(ws, "ls-files", "--", path, check=False).strip()
+    ]
 
-    The repository's .gitignore ignores megatron/ as a whole, so new files are listed without
+
+def _dirty(ws):
+    """Return the edits in megatron/ (and tests/unit_tests/) not yet in a queue commit.
+
+    The repository's .gitignore ignores both as a whole, so new files are listed without
     ignore rules, minus Python caches.
     """
-    changed = pq(ws, "status", "--porcelain", "--untracked-files=no", "--", "megatron")
-    new = pq(ws, "ls-files", "--others", "--", "megatron", *PY_CACHE).splitlines()
+    paths = _tracked(ws)
+    if not paths:
+        return ""
+    changed = pq(ws, "status", "--porcelain", "--untracked-files=no", "--", *paths)
+    new = pq(ws, "ls-files", "--others", "--", *paths, *PY_CACHE).splitlines()
     return "\n".join(changed.splitlines() + [f"?? {path}" for path in new])
 
 
@@ -139,7 +156,7 @@ def queue_state(ws=DEFAULT):
     problems = []
     dirty = _dirty(ws)
     if dirty:
-        problems.append("uncommitted edits in megatron/:\n" + dirty)
+        problems.append("uncommitted edits in megatron/ or tests/unit_tests/:\n" + dirty)
     applied = ws.pq / APPLIED_FILE
     recorded = applied.read_text() if applied.is_file() else None
     if _fingerprint(render_patches(ws)) != recorded:
@@ -322,7 +339,7 @@ def materialize(
                 (git_dir / BASE_FILE).write_text(base_name + "\n")
                 git(tmp, git_dir, "config", "core.worktree", str(ws.root))
                 git(tmp, git_dir, "config", "status.showUntrackedFiles", "no")
-                _swap(ws, tmp / "megatron", ws.tree, tmp / ".pq", ws.pq)
+                _swap(ws, tmp / "megatron", ws.tree, tmp / ".pq", ws.pq, extra=(UNIT_TESTS,))
             except OSError as exc:
                 raise io_error(exc, f"cannot place the new tree at {ws.root}") from exc
             return [p.name for p in patches]
@@ -355,11 +372,16 @@ def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_afte
     return names
 
 
-def _swap(ws, new_tree, old_tree, new_git=None, old_git=None):
-    """Replace old_tree (and old_git) by the new ones; on any failure put the old ones back."""
+def _swap(ws, new_tree, old_tree, new_git=None, old_git=None, extra=()):
+    """Replace old_tree (and old_git) by the new ones; on any failure put the old ones back.
+
+    ``extra`` names paths relative to both roots (e.g. tests/unit_tests) that are replaced too;
+    one the new tree lacks is removed, so a base whose series adds no tests leaves none behind.
+    """
     pairs = [(Path(new_tree), Path(old_tree))]
     if new_git is not None:
         pairs.append((Path(new_git), Path(old_git)))
+    pairs += [(Path(new_tree).parent / rel, ws.root / rel) for rel in extra]
     stash = Path(tempfile.mkdtemp(prefix=".previous-", dir=ws.build))
     moved, placed = [], []
     with _signals_blocked():
@@ -369,6 +391,8 @@ def _swap(ws, new_tree, old_tree, new_git=None, old_git=None):
                     os.rename(old, stash / str(i))
                     moved.append((stash / str(i), old))
             for new, old in pairs:
+                if not new.exists() and new != Path(new_tree):
+                    continue  # an extra path the new tree does not have: it stays removed
                 old.parent.mkdir(parents=True, exist_ok=True)
                 os.rename(new, old)
                 placed.append(old)
@@ -519,7 +543,7 @@ def commit(ws=DEFAULT, to=None, new=None, message_file=None):
     """
     if bool(to) == bool(new):
         raise ForkError("commit needs exactly one of --to PATCH or --new SUBJECT", EXIT_USAGE)
-    pq(ws, "add", "-A", "-f", "--", "megatron", *PY_CACHE)
+    pq(ws, "add", "-A", "-f", "--", *_tracked(ws), *PY_CACHE)
     if new:
         body = Path(message_file).read_text() if message_file else ""
         pq(ws, "commit", "-q", "-m", f"{new}\n\n{body}".rstrip() + "\n")

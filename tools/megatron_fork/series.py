@@ -328,6 +328,18 @@ def describe_hunks(patch, output, what):
     return "; ".join(found)
 
 
+def _hunks_with(output, what):
+    """True when a 'Hunk #N succeeded at L ...' line of GNU patch output mentions ``what``.
+
+    Only hunk lines count: a file name such as test_softmax_offset_tp_attributes.py in a
+    'checking file' line is no offset.
+    """
+    return any(
+        re.match(r"^Hunk #\d+ succeeded at \d+", line) and what in line
+        for line in output.splitlines()
+    )
+
+
 def classify(patch, tree):
     """Classify how ``patch`` relates to ``tree`` without changing it.
 
@@ -336,11 +348,11 @@ def classify(patch, tree):
         reverse-applies cleanly, i.e. the tree already contains the change.
     """
     rc, out = gnu_patch(patch.path, tree, reverse=True)
-    if rc == 0 and "fuzz" not in out:
+    if rc == 0 and not _hunks_with(out, "fuzz"):
         return UPSTREAM, "reverse-applies cleanly: the base already contains this change"
     rc, out = gnu_patch(patch.path, tree)
     if rc == 0:
-        if "offset" in out:
+        if _hunks_with(out, "offset"):
             return OFFSET, describe_hunks(patch, out, "offset")
         return CLEAN, ""
     rc3, out3 = gnu_patch(patch.path, tree, fuzz=3)
