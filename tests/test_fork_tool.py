@@ -67,16 +67,37 @@ def sandbox(tmp_path, pinned_wheel):
     return root
 
 
-def make_patch(sandbox, name, old, new, subject="test: change a default"):
-    """Write a format-patch file that replaces ``old`` by ``new`` in TARGET of the pristine tree."""
-    work = sandbox.parent / f"work-{name}"
+def work_repo(sandbox, dirname, files=(TARGET,)):
+    """A scratch git repo holding the pristine ``files``, committed as 'base'.
+
+    Returns:
+        (work directory, the git command prefix for it).
+    """
+    work = sandbox.parent / dirname
     shutil.rmtree(work, ignore_errors=True)
-    (work / Path(TARGET).parent).mkdir(parents=True)
-    shutil.copy(sandbox / TARGET, work / TARGET)
+    for rel in files:
+        (work / Path(rel).parent).mkdir(parents=True, exist_ok=True)
+        shutil.copy(sandbox / rel, work / rel)
     git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    return work, git
+
+
+def format_patch(git):
+    """The last commit of a work repo as a format-patch text."""
+    return subprocess.run(
+        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+def make_patch(sandbox, name, old, new, subject="test: change a default"):
+    """Write a format-patch file that replaces ``old`` by ``new`` in TARGET of the pristine tree."""
+    work, git = work_repo(sandbox, f"work-{name}")
     text = (work / TARGET).read_text()
     assert old in text
     (work / TARGET).write_text(text.replace(old, new, 1))
@@ -84,12 +105,7 @@ def make_patch(sandbox, name, old, new, subject="test: change a default"):
         [*git, "commit", "-qam", f"{subject}\n\nBody.\n\nUpstream-Status: not-forwarded"],
         check=True,
     )
-    out = subprocess.run(
-        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    out = format_patch(git)
     (series_dir(sandbox) / name).write_text(out)
     return out
 
@@ -418,15 +434,7 @@ def test_upstream_commit_trailer_is_verified_against_the_tree(tmp_path):
 def make_two_file_patch(sandbox, name):
     """A format-patch (with diffstat) that changes TARGET and a second file."""
     other = "megatron/core/distributed/__init__.py"
-    work = sandbox.parent / f"work2-{name}"
-    shutil.rmtree(work, ignore_errors=True)
-    for rel in (TARGET, other):
-        (work / Path(rel).parent).mkdir(parents=True, exist_ok=True)
-        shutil.copy(sandbox / rel, work / rel)
-    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    work, git = work_repo(sandbox, f"work2-{name}", (TARGET, other))
     text = (work / TARGET).read_text()
     (work / TARGET).write_text(
         text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1)
@@ -436,13 +444,7 @@ def make_two_file_patch(sandbox, name):
     subprocess.run(
         [*git, "commit", "-qam", "two files\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True
     )
-    out = subprocess.run(
-        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return out, other
+    return format_patch(git), other
 
 
 def test_patch_truncated_at_a_file_boundary_is_exit_5_naming_the_lost_file(sandbox):
@@ -736,13 +738,7 @@ def test_patch_adding_an_upstream_layout_test_is_tracked_by_the_queue(sandbox):
     removes it, and a file name containing 'offset' is no hunk offset.
     """
     test_rel = "tests/unit_tests/distributed/test_offset_and_fuzz_names.py"
-    work = sandbox.parent / "work-unit-test"
-    (work / Path(TARGET).parent).mkdir(parents=True)
-    shutil.copy(sandbox / TARGET, work / TARGET)
-    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    work, git = work_repo(sandbox, "work-unit-test")
     text = (work / TARGET).read_text()
     (work / TARGET).write_text(
         text.replace("overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True", 1)
@@ -759,13 +755,7 @@ def test_patch_adding_an_upstream_layout_test_is_tracked_by_the_queue(sandbox):
         ],
         check=True,
     )
-    patch = subprocess.run(
-        [*git, "format-patch", "--full-index", "--zero-commit", "--no-signature", "-1", "--stdout"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    (series_dir(sandbox) / "0001-a.patch").write_text(patch)
+    (series_dir(sandbox) / "0001-a.patch").write_text(format_patch(git))
     add_to_series(sandbox, "0001-a.patch")
 
     proc = run(sandbox, "materialize")
