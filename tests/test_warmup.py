@@ -136,6 +136,9 @@ def test_exact_restore(ws):
             if combo.get('path', 'run_warmup') == 'run_warmup':
                 assert fork['after_warmup_equals_before'], combo
                 assert fork['callbacks_restored'] and fork['hooks_restored'], combo
+                assert fork['timers_restored'], combo
+                if not combo.get('resume'):  # train_step created its timers during the warmup
+                    assert 'optimizer' in fork['timers_touched'], combo
 
 
 def test_exception_in_warmup_restores_and_reraises():

@@ -106,6 +106,7 @@ def _set_global_args(trainer, accumulation, overlap_param_gather=False):
     args.use_megatron_fsdp = False
     args.seed = 1234
     args.gtp_weight_remat_size = getattr(args, 'gtp_weight_remat_size', None) or 1
+    args.timing_log_level = 2  # real timers for everything train_step times
     global_vars.set_args(args)
     global_vars._GLOBAL_TIMERS = None
     global_vars._set_timers(args)
@@ -448,7 +449,7 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         opt_kwargs = {'loss_scale_window': combo['loss_scale_window']}
     arms = {}
     _import_training()
-    from megatron.training import training
+    from megatron.training import global_vars, training
 
     for arm in ('none', 'fork'):
         trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
@@ -485,6 +486,8 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         if arm == 'fork' and path == 'run_warmup':
             from megatron.training.warmup import run_warmup
 
+            timers = global_vars.get_timers()._timers
+            elapsed = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
             with contextlib.redirect_stdout(io.StringIO()), broken, recorder:
                 report = run_warmup(
                     [trainer.model],
@@ -503,6 +506,12 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
             res['callbacks_restored'] = _callbacks(trainer.config) == callbacks_before
             res['hooks_restored'] = _hooks(trainer) == hooks_before
+            # Timers train_step touched read as before (none counts warmup time), new ones 0.
+            after_timers = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
+            res['timers_touched'] = sorted(set(after_timers) - set(elapsed))
+            res['timers_restored'] = all(
+                after_timers[name] == elapsed.get(name, 0.0) for name in after_timers
+            )
         train_hook = warmup_steps if arm == 'fork' and path == 'train' else 0
         with (
             contextlib.redirect_stdout(io.StringIO()),
