@@ -2,8 +2,9 @@
 
 Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at the selected base's
 ref, bases.upstream_ref(): core_v0.18.2, core_r0.19.0 or the dev pin; never committed) through
-megatron.training.pretrain(): model_provider + gpt_builder, forward_step, MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with
-overlap_grad_reduce and the distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
+megatron.training.pretrain(): model_provider + gpt_builder, forward_step, MockGPTDataset, a tiny
+local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with overlap_grad_reduce and the
+distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
 harness's CUDA redirect plus its pretrain mode) at world sizes 1 and 2, or on GPUs with
 FORK_TEST_BACKEND=nccl.
 

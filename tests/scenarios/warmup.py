@@ -476,7 +476,9 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             # Negative control: skip the RNG restore; the comparison must then detect a change.
             from megatron.training import state_snapshot
 
-            broken = _patched(state_snapshot.TrainingStateSnapshot, '_restore_rng', lambda self: None)
+            broken = _patched(
+                state_snapshot.TrainingStateSnapshot, '_restore_rng', lambda self: None
+            )
         res['start'] = {
             'scheduler_num_steps': scheduler.num_steps,
             'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),

@@ -59,7 +59,6 @@ def _free_port():
 def _cpu_redirect():
     """On CPU, reuse the test harness's redirect of megatron's torch.cuda calls (smoke only)."""
     sys.path.append(REPO)  # after the tree, so it never shadows megatron
-    import torch
 
     from tests.harness import cpu_redirect
 
