@@ -2,16 +2,17 @@
 
 Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at the selected base's
 ref, bases.upstream_ref(): core_v0.18.2, core_r0.19.0 or the dev pin; never committed) through
-megatron.training.pretrain(): model_provider + gpt_builder, forward_step, MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with
-overlap_grad_reduce and the distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
+megatron.training.pretrain(): model_provider + gpt_builder, forward_step, MockGPTDataset, a tiny
+local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with overlap_grad_reduce and the
+distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
 harness's CUDA redirect plus its pretrain mode) at world sizes 1 and 2, or on GPUs with
 FORK_TEST_BACKEND=nccl.
 
-- Without the flag, with --warmup-train-steps 2 and with --warmup-install-path first_train_step,
-  every real iteration's loss, grad norm, learning rate and loss scale are bitwise identical, and
-  so are the model and optimizer after the last iteration.
-- The warmup really ran: pretrain() called run_warmup once with 2 steps, before train() on the
-  'pretrain' path and inside it on 'first_train_step', and logged its report lines.
+- Without the flag and with --warmup-train-steps 2, every real iteration's loss, grad norm,
+  learning rate and loss scale are bitwise identical, and so are the model and optimizer after the
+  last iteration.
+- The warmup really ran: train() called run_warmup once with 2 steps, at its start (before any
+  real train_step and before its interval timer existed), and logged its report lines.
 - Counterfactual: the pristine base rejects the flag with argparse's exact error (exit 2); without
   the flag it trains exactly as the fork does.
 """
@@ -27,11 +28,7 @@ PRISTINE = bases.PRISTINE
 REF = bases.upstream_ref()  # pretrain_gpt.py and its helpers at the base's own version
 ITERS = 4
 WARMUP = ['--warmup-train-steps', '2']
-ARMS = {
-    'none': [],
-    'pretrain': WARMUP,
-    'first_train_step': WARMUP + ['--warmup-install-path', 'first_train_step'],
-}
+ARMS = {'none': [], 'warmup': WARMUP}
 
 
 def _argv(ws, arm):
@@ -43,7 +40,7 @@ RUNS = {
     for ws in (1, 2)
     for arm in ARMS
 }
-PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'pretrain'), tag=REF, timeout=120)
+PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'warmup'), tag=REF, timeout=120)
 PRISTINE_NONE = call(1, PRISTINE, S, argv=_argv(1, 'none'), tag=REF, timeout=300)
 
 
@@ -75,10 +72,9 @@ def test_pretrain_gpt_trains(ws):
 
 
 @pytest.mark.parametrize('ws', [1, 2])
-@pytest.mark.parametrize('path', ['pretrain', 'first_train_step'])
-def test_warmup_through_pretrain_is_bitwise_invisible(ws, path):
+def test_warmup_through_pretrain_is_bitwise_invisible(ws):
     none = _ok(RUNS[(ws, 'none')])
-    warm = _ok(RUNS[(ws, path)])
+    warm = _ok(RUNS[(ws, 'warmup')])
     for rank, (a, b) in enumerate(zip(none, warm)):
         assert b['iterations'] == a['iterations'], f'rank {rank}'
         assert _trained(b) == _trained(a), f'rank {rank}'
@@ -86,12 +82,17 @@ def test_warmup_through_pretrain_is_bitwise_invisible(ws, path):
 
 
 @pytest.mark.parametrize('ws', [1, 2])
-@pytest.mark.parametrize('path', ['pretrain', 'first_train_step'])
-def test_warmup_ran_where_asked(ws, path):
-    for rank, res in enumerate(_ok(RUNS[(ws, path)])):
-        # 'pretrain': before train(), at the boundary; 'first_train_step': inside train().
+def test_warmup_ran_at_the_start_of_train(ws):
+    for rank, res in enumerate(_ok(RUNS[(ws, 'warmup')])):
+        # Inside train(), before any real step read a batch and before its interval timer (so no
+        # logged iteration contains the warmup).
         assert res['warmup_calls'] == [
-            {'steps': 2, 'inside_train': path == 'first_train_step'}
+            {
+                'steps': 2,
+                'inside_train': True,
+                'real_train_steps_before': 0,
+                'interval_timer_before': False,
+            }
         ], f'rank {rank}'
         if rank == 0:
             reset, ran = res['warmup_log']

@@ -36,18 +36,18 @@ COMBOS_DP2 = [
     _combo(1, 'fp32', False, True),
     _combo(2, 'bf16', False, False),
     _combo(2, 'bf16', True, True, overlap_param_gather=True),
-    _combo(2, 'fp32', True, True, path='first_train_step'),
+    _combo(2, 'fp32', True, True, path='train'),
     # fp16: the dynamic grad scaler grows every 2 steps, so the warmup moves its scale.
     _combo(2, 'fp16', True, True, loss_scale_window=2),
     # A resumed run: scheduler, counters and optimizer state are non-zero before the warmup;
     # a frozen submodule in eval mode; train_step's dumps switched on.
     _combo(2, 'bf16', True, True, resume=2, eval_module='core.fc2', dumps=True),
-    _combo(1, 'fp16', True, False, resume=2, loss_scale_window=2, path='first_train_step'),
+    _combo(1, 'fp16', True, False, resume=2, loss_scale_window=2, path='train'),
 ]
 COMBOS_DP1 = [
     _combo(2, 'bf16', True, True),
     _combo(1, 'fp32', True, False),
-    _combo(2, 'bf16', True, True, overlap_param_gather=True, path='first_train_step'),
+    _combo(2, 'bf16', True, True, overlap_param_gather=True, path='train'),
     _combo(2, 'fp16', True, True, resume=3, loss_scale_window=2, dumps=True),
 ]
 CONTROL = [_combo(2, 'bf16', True, True, **{'break': 'rng'})]
@@ -71,6 +71,7 @@ EXACT = {
 FAULT = call(2, FORK, S + 'scenario_fault')
 FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
 BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
+LAYOUT_FROM_GROUPS = call(2, FORK, S + 'scenario_layout_from_process_groups')
 
 
 def _ok(per_rank):
@@ -130,9 +131,14 @@ def test_exact_restore(ws):
                 scalers = r['scaler_none']  # one per sub-optimizer (dense, expert)
                 assert scalers and all(sc['scale'] > 4096 for sc in scalers), combo
             assert fork['train_step_restored'], combo
+            # path 'train': the warmup ran through the hook at the start of train().
+            assert fork['train_hook_ran'] == (combo.get('path') == 'train'), combo
             if combo.get('path', 'run_warmup') == 'run_warmup':
                 assert fork['after_warmup_equals_before'], combo
                 assert fork['callbacks_restored'] and fork['hooks_restored'], combo
+                assert fork['timers_restored'], combo
+                if not combo.get('resume'):  # train_step created its timers during the warmup
+                    assert 'optimizer' in fork['timers_touched'], combo
 
 
 def test_exception_in_warmup_restores_and_reraises():
@@ -160,23 +166,41 @@ def test_bad_input():
             'exit': 2,
             'error': f"{flag} non-negative integer, got '{value}'",
         }
-    assert res['defaults'] == [0, 'pretrain'] and res['config_defaults'] == [0, 'pretrain']
+    assert res['defaults'] == 0 and res['config_defaults'] == 0
     errors = res['errors']
+    unsupported = 'WarmupUnsupportedError: --warmup-train-steps does not support '
     assert errors['pipeline'] == (
-        'WarmupUnsupportedError: --warmup-train-steps does not support pipeline parallelism '
-        '(pipeline_model_parallel_size=2)'
+        f'{unsupported}pipeline parallelism (pipeline_model_parallel_size=2 in the args)'
     )
-    assert errors['virtual_pipeline'].startswith(
-        'WarmupUnsupportedError: --warmup-train-steps does not support virtual pipeline'
+    assert errors['pipeline_model_config'] == (
+        f'{unsupported}pipeline parallelism (pipeline_model_parallel_size=2 in the model config)'
     )
-    assert errors['two_chunks'].endswith('2 model chunks)')
+    assert errors['virtual_pipeline'] == (
+        f'{unsupported}virtual pipeline parallelism (virtual_pipeline_model_parallel_size=2 in the '
+        'args)'
+    )
+    assert errors['virtual_pipeline_model_config'].endswith('=2 in the model config)')
+    assert errors['two_chunks'] == f'{unsupported}several model chunks (2 model chunks)'
+    assert errors['not_ddp'].startswith(f'{unsupported}model chunks that are not Megatron DDP')
+    assert errors['no_optimizer'] == (
+        'WarmupUnsupportedError: --warmup-train-steps needs an optimizer (got None)'
+    )
     assert errors['fp8'] == (
         'WarmupUnsupportedError: --warmup-train-steps cannot restore Transformer Engine FP8 '
-        "scaling state yet (fp8='hybrid')"
+        "scaling state yet (fp8='hybrid', fp8_recipe='delayed')"
     )
-    assert errors['megatron_fsdp'] == (
-        'WarmupUnsupportedError: --warmup-train-steps does not support --use-megatron-fsdp'
-    )
+    assert errors['fp4'].endswith("FP4 scaling state yet (fp4='nvfp4', fp4_recipe='nvfp4')")
+    assert errors['megatron_fsdp'] == f'{unsupported}--use-megatron-fsdp'
+    assert errors['torch_fsdp2'] == f'{unsupported}--use-torch-fsdp2'
+    for flag in (
+        'optimizer-cpu-offload',
+        'chunked-optimizer-state-offload',
+        'offload-optimizer-states',
+    ):
+        key = flag.replace('-', '_')
+        assert errors[f'{key}_args'] == f'{unsupported}--{flag}'
+        assert errors[f'{key}_optimizer_config'] == f'{unsupported}--{flag} (optimizer config)'
+    assert errors['supported'] is None
     assert (
         errors['negative']
         == 'ValueError: warmup_train_steps must be a non-negative integer, got -1'
@@ -185,3 +209,12 @@ def test_bad_input():
         errors['float'] == 'ValueError: warmup_train_steps must be a non-negative integer, got 1.5'
     )
     assert not any(res['callbacks_untouched'].values())
+
+
+def test_pipeline_layout_read_from_the_process_groups():
+    for res in _ok(LAYOUT_FROM_GROUPS.result()):
+        assert res['args_pp'] == 1 and res['config_pp'] == 1
+        assert res['error_message'] == (
+            'WarmupUnsupportedError: --warmup-train-steps does not support pipeline parallelism '
+            '(pipeline_model_parallel_size=2 in the process groups)'
+        )

@@ -1,15 +1,16 @@
 """Reusable builders for scenarios: a tiny model, DDP + optimizer, data, and a training loop.
 
-Everything here runs inside a harness world (see tests/harness/README.md). The training loop
-installs the schedule hooks the way megatron/training/training.py ``train()`` does:
-``config.no_sync_func = model.no_sync`` when overlap_grad_reduce is on, and
-``config.finalize_model_grads_func = finalize_model_grads``, ``config.grad_scale_func =
-optimizer.scale_loss``. :class:`Trainer` lets a scenario change those per step (e.g. a warm-up
-step run before ``train()`` would have installed them).
+Everything here runs inside a harness world (see tests/harness/README.md). What train() installs
+on the model config before its loop comes from one place, megatron/training/training.py's
+``install_train_loop_hooks()`` (see :func:`install_train_loop_hooks`). :class:`Trainer` also lets a
+scenario set single hooks by hand (e.g. a warm-up step run before ``train()`` would have installed
+them); those are the scenario's deliberate deviations, not train()'s set-up.
 """
 
 import copy
+import glob
 import hashlib
+import os
 from functools import partial
 
 import torch
@@ -19,6 +20,42 @@ HIDDEN = 8
 FFN = 16
 OUT = 4
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def install_train_loop_hooks(model, optimizer, config, args):
+    """What train() installs before its loop: ``training.install_train_loop_hooks()``.
+
+    A pristine tree lacks that function (it is the fork's refactor of train()); there the same
+    function, read from this base's patch, is compiled against pristine's own training module, so
+    a counterfactual runs exactly the set-up train() runs, with pristine's DDP and finalize.
+
+    Args:
+        model: list of model chunks.
+        optimizer: the Megatron optimizer.
+        config: the model config.
+        args: Megatron global args.
+
+    Returns:
+        The param_sync_func to put back when the forward pre-hooks are enabled after step 1.
+    """
+    from megatron.training import training
+
+    if not hasattr(training, 'install_train_loop_hooks'):
+        from tests.harness import bases
+
+        for path in sorted(glob.glob(os.path.join(bases.PATCHES, bases.BASE, 'fork', '*.patch'))):
+            with open(path) as f:
+                lines = f.read().splitlines()
+            starts = [
+                i for i, line in enumerate(lines) if line.startswith('+def install_train_loop')
+            ]
+            if starts and not hasattr(training, 'install_train_loop_hooks'):
+                body = lines[starts[0] :]
+                body = body[: next(i for i, line in enumerate(body) if not line.startswith('+'))]
+                namespace = dict(vars(training))
+                exec('\n'.join(line[1:] for line in body), namespace)  # noqa: S102
+                training.install_train_loop_hooks = namespace['install_train_loop_hooks']
+    return training.install_train_loop_hooks(model, optimizer, config, args)
 
 
 def init_parallel(tp=1, pp=1, ep=1, etp=None, cp=1, **kwargs):
@@ -254,8 +291,8 @@ class Trainer:
         clip_grad: clip threshold.
         seed: model/data seed.
         micro_batch_size: samples per microbatch.
-        install_hooks: install config.no_sync_func / finalize_model_grads_func / grad_scale_func
-            now, as train() does (set False to mimic steps that run before train()).
+        install_hooks: set config.no_sync_func (with overlap_grad_reduce) and
+            finalize_model_grads_func now (set False to mimic steps that run before train()).
         ddp_kwargs: extra DistributedDataParallelConfig fields.
         opt_kwargs: extra OptimizerConfig fields.
         config_kwargs: extra TransformerConfig fields.
@@ -318,7 +355,9 @@ class Trainer:
             self.install_hooks()
 
     def install_hooks(self, no_sync=True, finalize=True):
-        """Set the schedule hooks as train() does (no_sync only when overlap_grad_reduce)."""
+        """Set single schedule hooks by hand: no_sync_func (only with overlap_grad_reduce) and
+        finalize_model_grads_func, each on or off. A scenario's own set-up for steps that run
+        outside train(); train()'s full set-up is :func:`install_train_loop_hooks`."""
         from megatron.core.distributed import finalize_model_grads
 
         overlap = self.model.ddp_config.overlap_grad_reduce

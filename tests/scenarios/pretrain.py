@@ -18,7 +18,8 @@ tests/harness/README.md:
 - Recorders: ``training.training_log`` and ``training.train`` are wrapped (the originals run)
   to record every real iteration's losses, grad norm, learning rate and loss scale bitwise, and
   a digest of the model and optimizer after the last iteration. ``warmup.run_warmup`` is wrapped
-  on the fork to record its calls: step count, and whether train() was running.
+  on the fork to record its calls: step count, whether train() was running, how many real
+  train_step calls had run and whether train()'s interval timer existed yet.
 """
 
 import contextlib
@@ -270,14 +271,34 @@ def _recorders(out):
         if warmup is not None:
             original_run = warmup.run_warmup
 
+            original_step = training.train_step
+            real_steps = []
+
+            @functools.wraps(original_step)
+            def train_step(*a, **kw):
+                if not out['warmup_calls'] or 'done' in out['warmup_calls'][-1]:
+                    real_steps.append(1)
+                return original_step(*a, **kw)
+
             @functools.wraps(original_run)
             def run_warmup(*a, **kw):
-                num_steps = kw['num_steps'] if 'num_steps' in kw else a[4]
-                out['warmup_calls'].append(
-                    {'steps': num_steps, 'inside_train': out['inside_train']}
-                )
-                return original_run(*a, **kw)
+                from megatron.training.global_vars import get_timers
 
+                num_steps = kw['num_steps'] if 'num_steps' in kw else a[4]
+                call = {
+                    'steps': num_steps,
+                    'inside_train': out['inside_train'],
+                    'real_train_steps_before': len(real_steps),
+                    # train() creates its interval timer after the warmup hook.
+                    'interval_timer_before': 'interval-time' in get_timers()._timers,
+                }
+                out['warmup_calls'].append(call)
+                try:
+                    return original_run(*a, **kw)
+                finally:
+                    call['done'] = True
+
+            stack.enter_context(_patched(training, 'train_step', train_step))
             stack.enter_context(_patched(warmup, 'run_warmup', run_warmup))
         yield
 
@@ -380,6 +401,8 @@ def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
             sys.modules.pop(name, None)
     errors = [line for line in stderr.getvalue().splitlines() if ': error: ' in line]
     out['argparse_error'] = errors[-1] if errors else None
+    for call in out['warmup_calls']:
+        call.pop('done', None)
     out['warmup_log'] = [
         line.strip() for line in stdout.getvalue().splitlines() if line.startswith('[warmup]')
     ]

@@ -9,11 +9,13 @@ Arms:
     naive: the warmup most projects bolt on: train_step on synthetic data with the config as the
         boundary leaves it (optionally with finalize_model_grads installed), no restore. Works on
         any tree and reproduces the upstream DDP assertions at the first real step.
-    fork: megatron.training.warmup.run_warmup (or the first_train_step install path).
+    fork: megatron.training.warmup.run_warmup, or (path 'train') the hook train() calls at its
+        start, run_warmup_train_steps().
     none: no warmup (the reference for bitwise exactness).
 """
 
 import contextlib
+import functools
 import hashlib
 import io
 import random
@@ -23,7 +25,7 @@ import types
 import numpy as np
 import torch
 
-from tests.scenarios.common import Trainer, init_parallel
+from tests.scenarios.common import Trainer, init_parallel, install_train_loop_hooks
 
 MBS = 4
 
@@ -50,6 +52,25 @@ def _import_training():
         import megatron.training.training  # noqa: F401
     finally:
         torch.cuda = proxy
+
+
+def _device_rng(scenario):
+    """Run ``scenario`` with a stand-in device RNG on CPU ranks.
+
+    The warmup snapshots the device RNG through tensor_parallel/random.py's helpers, as pretrain()
+    on a GPU would; the CPU redirect's pretrain mode provides that RNG (on GPUs: a no-op).
+    """
+
+    @functools.wraps(scenario)
+    def wrapper(ctx, **kwargs):
+        from tests.harness import cpu_redirect
+
+        if not cpu_redirect.installed():
+            return scenario(ctx, **kwargs)
+        with cpu_redirect.pretrain_mode():
+            return scenario(ctx, **kwargs)
+
+    return wrapper
 
 
 def _set_global_args(trainer, accumulation, overlap_param_gather=False):
@@ -85,6 +106,7 @@ def _set_global_args(trainer, accumulation, overlap_param_gather=False):
     args.use_megatron_fsdp = False
     args.seed = 1234
     args.gtp_weight_remat_size = getattr(args, 'gtp_weight_remat_size', None) or 1
+    args.timing_log_level = 2  # real timers for everything train_step times
     global_vars.set_args(args)
     global_vars._GLOBAL_TIMERS = None
     global_vars._set_timers(args)
@@ -247,29 +269,34 @@ def _hooks(trainer):
 
 
 class _RealRun:
-    """train()'s set-up and loop around the real train_step (callbacks, pre-hook toggling)."""
+    """train()'s set-up and loop around the real train_step (callbacks, pre-hook toggling).
 
-    def __init__(self, trainer, scheduler, args, accumulation, first_step=0):
-        from megatron.core.distributed import finalize_model_grads
+    With ``warmup_steps``, the warmup runs first through run_warmup_train_steps(), the hook train()
+    calls at its start.
+    """
+
+    def __init__(self, trainer, scheduler, args, accumulation, first_step=0, warmup_steps=0):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.training import training
 
         self.t, self.s, self.args, self.acc = trainer, scheduler, args, accumulation
         config, model = trainer.config, trainer.model
-        config.grad_scale_func = trainer.optimizer.scale_loss
-        if args.overlap_grad_reduce:
-            assert config.no_sync_func is None, 'config.no_sync_func leaked from the warmup'
-            config.no_sync_func = model.no_sync
-            if args.align_grad_reduce:
-                config.grad_sync_func = model.start_grad_sync
-        if args.overlap_param_gather and args.align_param_gather:
-            config.param_sync_func = model.start_param_sync
-        config.finalize_model_grads_func = finalize_model_grads
-        self.param_sync_func = None
+        if warmup_steps:
+            from megatron.training.warmup import run_warmup_train_steps
+
+            def forward_step(data_iterator, model):
+                return _forward_step(data_iterator, model)
+
+            forward_step.warmup_batch_iterator = lambda _: _synthetic_iterator(trainer.ctx.device)
+            args.warmup_train_steps = warmup_steps
+            try:
+                self.warmup = run_warmup_train_steps(
+                    forward_step, [model], trainer.optimizer, scheduler, config
+                )
+            finally:
+                args.warmup_train_steps = 0
+        self.param_sync_func = install_train_loop_hooks([model], trainer.optimizer, config, args)
         self.pending = training.should_disable_forward_pre_hook(args)
-        if self.pending:
-            model.disable_forward_pre_hook(param_sync=False)
-            self.param_sync_func, config.param_sync_func = config.param_sync_func, None
         self.fb = get_forward_backward_func()
         self.step_index = first_step
 
@@ -348,6 +375,7 @@ def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=Fals
     return trainer, scheduler, args
 
 
+@_device_rng
 def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, finalize=False):
     """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error."""
     init_parallel()
@@ -421,7 +449,7 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         opt_kwargs = {'loss_scale_window': combo['loss_scale_window']}
     arms = {}
     _import_training()
-    from megatron.training import training
+    from megatron.training import global_vars, training
 
     for arm in ('none', 'fork'):
         trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
@@ -446,9 +474,11 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         broken = contextlib.nullcontext()
         if arm == 'fork' and combo.get('break') == 'rng':
             # Negative control: skip the RNG restore; the comparison must then detect a change.
-            from megatron.training import warmup as warmup_module
+            from megatron.training import state_snapshot
 
-            broken = _patched(warmup_module._RngSnapshot, 'restore', lambda self: None)
+            broken = _patched(
+                state_snapshot.TrainingStateSnapshot, '_restore_rng', lambda self: None
+            )
         res['start'] = {
             'scheduler_num_steps': scheduler.num_steps,
             'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),
@@ -458,6 +488,8 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         if arm == 'fork' and path == 'run_warmup':
             from megatron.training.warmup import run_warmup
 
+            timers = global_vars.get_timers()._timers
+            elapsed = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
             with contextlib.redirect_stdout(io.StringIO()), broken, recorder:
                 report = run_warmup(
                     [trainer.model],
@@ -476,11 +508,19 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
             res['callbacks_restored'] = _callbacks(trainer.config) == callbacks_before
             res['hooks_restored'] = _hooks(trainer) == hooks_before
-        elif arm == 'fork':
-            from megatron.training.warmup import install_first_train_step_warmup
-
-            install_first_train_step_warmup(warmup_steps, _synthetic_iterator(ctx.device), args)
-        run = _RealRun(trainer, scheduler, args, acc, first_step=args.iteration)
+            # Timers train_step touched read as before (none counts warmup time), new ones 0.
+            after_timers = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
+            res['timers_touched'] = sorted(set(after_timers) - set(elapsed))
+            res['timers_restored'] = all(
+                after_timers[name] == elapsed.get(name, 0.0) for name in after_timers
+            )
+        train_hook = warmup_steps if arm == 'fork' and path == 'train' else 0
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            _patched(training, 'save_grads', save_grads),
+        ):
+            run = _RealRun(trainer, scheduler, args, acc, args.iteration, train_hook)
+        res['train_hook_ran'] = getattr(run, 'warmup', None) is not None
         with (
             contextlib.redirect_stdout(io.StringIO()),
             _patched(training, 'save_grads', save_grads),
@@ -508,6 +548,7 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
     }
 
 
+@_device_rng
 def scenario_exactness(ctx, combos, warmup_steps=2, real_steps=3):
     """For each combo: N real steps after warmup+restore vs N steps without warmup, bitwise."""
     results = []
@@ -524,6 +565,7 @@ class _Injected(RuntimeError):
     pass
 
 
+@_device_rng
 def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False):
     """A warmup step raises mid-step: callbacks, hooks and all state are restored, then re-raised.
 
@@ -532,7 +574,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     must still be the one raised, and the host-staged state must still be put back.
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.training import warmup as warmup_module
+    from megatron.training import state_snapshot
     from megatron.training.warmup import run_warmup
 
     def failing_drain(model):
@@ -569,12 +611,12 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
                 return _forward_step(data_iterator, model)
 
             drain = (
-                failing_drain if restore_fails else warmup_module.reset_ddp_grad_ready_calibration
+                failing_drain if restore_fails else state_snapshot.reset_ddp_grad_ready_calibration
             )
             try:
                 with (
                     contextlib.redirect_stdout(io.StringIO()),
-                    _patched(warmup_module, 'reset_ddp_grad_ready_calibration', drain),
+                    _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
                 ):
                     run_warmup(
                         [trainer.model],
@@ -612,6 +654,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     return fault
 
 
+@_device_rng
 def scenario_bad_input(ctx):
     """Argparse errors for --warmup-train-steps, and clear errors for unsupported combinations."""
     _import_training()
@@ -638,35 +681,63 @@ def scenario_bad_input(ctx):
         defaults = parse_args(ignore_unknown_args=True)
     finally:
         sys.argv = saved
-    out['defaults'] = [defaults.warmup_train_steps, defaults.warmup_install_path]
+    out['defaults'] = defaults.warmup_train_steps
     from megatron.training.config import TrainingConfig
 
-    cfg = TrainingConfig()
-    out['config_defaults'] = [cfg.warmup_train_steps, cfg.warmup_install_path]
+    out['config_defaults'] = TrainingConfig().warmup_train_steps
 
     init_parallel()
     trainer, scheduler, args = _build(ctx, 'fp32', True, True, 1)
+    model, optimizer, config = [trainer.model], trainer.optimizer, trainer.config
+    opt_config = _optimizers(optimizer)[0].config
     errors = {}
-    cases = {
-        'pipeline': {'pipeline_model_parallel_size': 2},
-        'virtual_pipeline': {'virtual_pipeline_model_parallel_size': 2},
-        'megatron_fsdp': {'use_megatron_fsdp': True},
-        'fp8': {'fp8': 'hybrid'},
-    }
-    for name, overrides in cases.items():
-        fake = types.SimpleNamespace(**{**vars(args), **overrides})
+
+    def check(name, args=args, config=config, model=model, optimizer=optimizer):
         try:
-            check_warmup_supported([trainer.model], trainer.optimizer, trainer.config, fake)
+            check_warmup_supported(model, optimizer, config, args)
             errors[name] = None
         except WarmupUnsupportedError as exc:
             errors[name] = f'{type(exc).__name__}: {exc}'
+
+    def fake(obj, **overrides):
+        return types.SimpleNamespace(**{**vars(obj), **overrides})
+
+    check('pipeline', args=fake(args, pipeline_model_parallel_size=2))
+    check('virtual_pipeline', args=fake(args, virtual_pipeline_model_parallel_size=2))
+    # The model config says PP 2 while the args say 1: refused all the same.
+    check('pipeline_model_config', config=fake(config, pipeline_model_parallel_size=2))
+    check(
+        'virtual_pipeline_model_config', config=fake(config, virtual_pipeline_model_parallel_size=2)
+    )
+    check('megatron_fsdp', args=fake(args, use_megatron_fsdp=True))
+    check('torch_fsdp2', args=fake(args, use_torch_fsdp2=True))
+    check('fp8', config=fake(config, fp8='hybrid', fp8_recipe='delayed'))
+    check('fp4', config=fake(config, fp4='nvfp4', fp4_recipe='nvfp4'))
+    check('two_chunks', model=[trainer.model, trainer.model])
+    check('not_ddp', model=[trainer.model.module])
+    check('no_optimizer', optimizer=None)
+    # Every optimizer offload flag, whether the args or the optimizer's own config carry it (the
+    # chunked flags exist on dev only; on the releases the attribute is set for the test).
+    for flag in (
+        'optimizer_cpu_offload',
+        'chunked_optimizer_state_offload',
+        'offload_optimizer_states',
+    ):
+        check(f'{flag}_args', args=fake(args, **{flag: True}))
+        saved = getattr(opt_config, flag, None)
+        setattr(opt_config, flag, True)
+        try:
+            check(f'{flag}_optimizer_config')
+        finally:
+            setattr(opt_config, flag, saved)
+    check('supported')
     for name, kwargs in {'negative': {'num_steps': -1}, 'float': {'num_steps': 1.5}}.items():
         try:
             run_warmup(
-                [trainer.model],
-                trainer.optimizer,
+                model,
+                optimizer,
                 scheduler,
-                trainer.config,
+                config,
                 forward_step_func=_forward_step,
                 args=args,
                 **kwargs,
@@ -674,19 +745,27 @@ def scenario_bad_input(ctx):
             errors[name] = None
         except ValueError as exc:
             errors[name] = f'{type(exc).__name__}: {exc}'
-    try:
-        run_warmup(
-            [trainer.model, trainer.model],
-            trainer.optimizer,
-            scheduler,
-            trainer.config,
-            1,
-            _forward_step,
-            args=args,
-        )
-        errors['two_chunks'] = None
-    except WarmupUnsupportedError as exc:
-        errors['two_chunks'] = f'{type(exc).__name__}: {exc}'
     out['errors'] = errors
     out['callbacks_untouched'] = _callbacks(trainer.config)
     return out
+
+
+@_device_rng
+def scenario_layout_from_process_groups(ctx):
+    """Process groups at PP 2 while the args and the model config say 1: refused."""
+    from megatron.core import parallel_state
+    from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported
+
+    init_parallel()
+    trainer, _, args = _build(ctx, 'fp32', True, True, 1)
+    parallel_state.destroy_model_parallel()
+    init_parallel(pp=2)
+    try:
+        check_warmup_supported([trainer.model], trainer.optimizer, trainer.config, args)
+        return {'error_message': None}
+    except WarmupUnsupportedError as exc:
+        return {
+            'error_message': f'{type(exc).__name__}: {exc}',
+            'args_pp': args.pipeline_model_parallel_size,
+            'config_pp': trainer.config.pipeline_model_parallel_size,
+        }

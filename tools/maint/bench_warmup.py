@@ -3,8 +3,8 @@
 
 One command measures, side by side, for a small GPT built from megatron.core (GPTModel with the
 local layer spec, bf16, world size 1, DDP with overlap_grad_reduce and the distributed optimizer,
-Adam via get_megatron_optimizer, the no-pipelining schedule, finalize_model_grads installed as
-train() does):
+Adam via get_megatron_optimizer, the no-pipelining schedule, and what train() installs on the
+model config, through the function train() calls):
 
 * steady-state step time, fork / pristine (same config; median per run, ratio per repeat);
 * first real step time / steady step time, with and without ``run_warmup()`` before it;
@@ -25,6 +25,7 @@ Usage:
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,6 +39,8 @@ import time
 import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_KEEP = contextlib.ExitStack()  # contexts that last as long as the worker process
 
 # name -> (tree key, warmup?)
 ARMS = {'pristine': ('pristine', False), 'fork': ('fork', False), 'fork+warmup': ('fork', True)}
@@ -56,22 +59,13 @@ def _free_port():
 def _cpu_redirect():
     """On CPU, reuse the test harness's redirect of megatron's torch.cuda calls (smoke only)."""
     sys.path.append(REPO)  # after the tree, so it never shadows megatron
-    import torch
 
     from tests.harness import cpu_redirect
 
     cpu_redirect.install()
-    # RNG-tracker calls (model_parallel_cuda_manual_seed, dropout under tracker.fork()) on CPU.
-    cpu_redirect.COVERED.update(
-        {
-            'get_rng_state': lambda device=None: torch.get_rng_state(),
-            'set_rng_state': lambda state, device=None: torch.set_rng_state(state),
-            'manual_seed': lambda seed: None,
-            'random': types.SimpleNamespace(
-                get_rng_state=lambda device=None: torch.get_rng_state()
-            ),
-        }
-    )
+    # RNG-tracker calls (model_parallel_cuda_manual_seed, the warmup's RNG snapshot, dropout under
+    # tracker.fork()): the redirect's pretrain mode stands in for the device RNG, for good.
+    _KEEP.enter_context(cpu_redirect.pretrain_mode())
 
 
 def _synthetic_batches(cfg, seed, device):
@@ -160,6 +154,7 @@ def run_worker(spec):
     """Run one arm in this process; returns the measurements as a dict."""
     cfg, tree, warmup = spec['config'], os.path.realpath(spec['tree']), spec['warmup']
     sys.path.insert(0, tree)
+    sys.path.append(REPO)  # tests.scenarios.common; after the tree, so it never shadows megatron
     import torch
 
     use_cpu = cfg['device'] == 'cpu'
@@ -192,11 +187,7 @@ def run_worker(spec):
     import torch.distributed as dist
 
     from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -265,11 +256,21 @@ def run_worker(spec):
         wd_incr_steps=1000,
         wd_incr_style='constant',
     )
-    # What train() installs before its loop (align_grad_reduce defaults to True).
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
-    config.grad_sync_func = model.start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    # The args train() reads for this set-up (pretrain()'s defaults for this configuration).
+    args = types.SimpleNamespace(
+        overlap_grad_reduce=True,
+        align_grad_reduce=True,
+        overlap_param_gather=False,
+        align_param_gather=False,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=False,
+        skip_train=False,
+        perform_rl_step=False,
+        no_load_optim=False,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        iteration=0,
+    )
     model.train()
     chunks = [model]
     forward_backward_func = get_forward_backward_func()
@@ -298,7 +299,7 @@ def run_worker(spec):
             data_iterator=warm_iter,
             step_fn=step_fn,
             forward_backward_func=forward_backward_func,
-            args=None,
+            args=args,
         )
         _sync(device)
         out['warmup_wall_s'] = time.perf_counter() - t0
@@ -310,6 +311,12 @@ def run_worker(spec):
             'collectives_drained': report.collectives_drained,
             'losses': [float(x) for x in report.losses],
         }
+    # What train() installs before its loop, after the warmup as in train(): the function train()
+    # calls (a pristine tree lacks it; the helper compiles the same function from this base's
+    # patch, FORK_TEST_BASE selects the base).
+    from tests.scenarios.common import install_train_loop_hooks
+
+    install_train_loop_hooks(chunks, optimizer, config, args)
     if mem:
         out['allocated_before_first_step_bytes'] = torch.cuda.memory_allocated()
         out['peak_before_first_step_bytes'] = torch.cuda.max_memory_allocated()

@@ -55,4 +55,3 @@ install "$work/fork" "$fork_whl"
 run pristine "$work/pristine"
 run fork-nowarmup "$work/fork"
 run fork-warmup2 "$work/fork" --warmup-train-steps 2
-run fork-warmup2-first-step "$work/fork" --warmup-train-steps 2 --warmup-install-path first_train_step
