@@ -39,7 +39,12 @@ def pytest_configure(config):
     """Install the CPU redirect and point Utils at a gloo process group."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    _load_redirect().install()
+    redirect = _load_redirect()
+    redirect.install()
+    # Device RNG state (tensor_parallel/random.py's RNG helpers, which 0003's warmup snapshot
+    # uses) is kept on a CPU generator, as in the fork's own pretrain() tests.
+    names = ('random', 'get_rng_state', 'set_rng_state', 'manual_seed', 'manual_seed_all')
+    redirect._ACTIVE.update({name: redirect.PRETRAIN_COVERED[name] for name in names})
 
     import megatron.core.parallel_state as ps
     from tests.unit_tests.test_utilities import Utils
