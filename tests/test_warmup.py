@@ -71,6 +71,7 @@ EXACT = {
 FAULT = call(2, FORK, S + 'scenario_fault')
 FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
 BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
+CALIBRATION_RULE = call(1, FORK, S + 'scenario_calibration_rule')
 LAYOUT_FROM_GROUPS = call(2, FORK, S + 'scenario_layout_from_process_groups')
 
 
@@ -102,7 +103,7 @@ def test_fork_warmup_trains(ws, acc):
             n = res['groups_reset']
             assert res['log'][0] == (
                 f'[warmup] Reset DDP grad-ready calibration on {n} bucket groups '
-                '(0 outstanding collectives drained)'
+                f"(0 outstanding collectives drained; the warmup's own calibration kept on {n})"
             )
 
 
@@ -139,6 +140,11 @@ def test_exact_restore(ws):
                 assert fork['timers_restored'], combo
                 if not combo.get('resume'):  # train_step created its timers during the warmup
                     assert 'optimizer' in fork['timers_touched'], combo
+                # The steps ran with train()'s no_sync_func: their calibration is kept (overlap).
+                kept = fork['groups_reset'] if combo['overlap'] else 0
+                assert fork['groups_reset'] > 0 and fork['calibration_kept'] == kept, combo
+                # Torch Adam's fresh state stays allocated, zeroed (None: a resumed run).
+                assert fork['fresh_state_kept'] is (None if combo.get('resume') else True), combo
 
 
 def test_exception_in_warmup_restores_and_reraises():
@@ -218,3 +224,15 @@ def test_pipeline_layout_read_from_the_process_groups():
             'WarmupUnsupportedError: --warmup-train-steps does not support pipeline parallelism '
             '(pipeline_model_parallel_size=2 in the process groups)'
         )
+
+
+def test_warmup_calibration_is_kept_only_where_it_is_the_real_one():
+    """Kept with train()'s no_sync_func and overlap; reset (backstop) otherwise and with MoE,
+    whose router decides per batch which expert params get a grad."""
+    for res in _ok(CALIBRATION_RULE.result()):
+        assert res == {
+            'overlap, no_sync installed, dense': True,
+            'no overlap': False,
+            'overlap, no no_sync_func': False,
+            'overlap, MoE': False,
+        }

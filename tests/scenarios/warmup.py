@@ -196,7 +196,10 @@ def _digests(trainer, scheduler, args):
             h.update(repr(sorted((k, v) for k, v in group.items() if k != 'params')).encode())
             for p in group['params']:
                 _sha(h, p)
-                for key, value in sorted(inner.state.get(p, {}).items()):
+                state = inner.state.get(p, {})
+                if all(isinstance(v, torch.Tensor) and not v.any() for v in state.values()):
+                    state = {}  # Adam's fresh state (zero moments, step 0) reads as absent
+                for key, value in sorted(state.items()):
                     h.update(key.encode())
                     if isinstance(value, torch.Tensor):
                         _sha(h, value)
@@ -355,6 +358,15 @@ def _naive_warmup(trainer, scheduler, args, steps, finalize):
     trainer.config.finalize_model_grads_func = None
 
 
+def _fresh_state_kept(trainer, states_before):
+    """On a fresh run (no optimizer state before the warmup): every state entry the warmup left
+    is allocated and zero (None when the run was resumed)."""
+    if states_before:
+        return None
+    states = [s for o in _optimizers(trainer.optimizer) for s in o.optimizer.state.values()]
+    return bool(states) and all(not v.any() for s in states for v in s.values())
+
+
 def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False, opt_kwargs=None):
     from megatron.core import rerun_state_machine
 
@@ -502,6 +514,9 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
                     args=args,
                 )
             res['host_staging_bytes'] = report.host_staging_bytes
+            res['groups_reset'] = report.bucket_groups_reset
+            res['calibration_kept'] = report.calibration_kept
+            res['fresh_state_kept'] = _fresh_state_kept(trainer, res['start']['optimizer_state'])
             res['warmup_losses'] = [float(x['loss']) for x in report.losses]
             after = _digests(trainer, scheduler, args)
             res['after_warmup_equals_before'] = after == before
@@ -769,3 +784,18 @@ def scenario_layout_from_process_groups(ctx):
             'args_pp': args.pipeline_model_parallel_size,
             'config_pp': trainer.config.pipeline_model_parallel_size,
         }
+
+
+def scenario_calibration_rule(ctx):
+    """warmup._calibration_is_real over the cases that decide it (no process group needed)."""
+    from types import SimpleNamespace as NS
+
+    from megatron.training.warmup import _calibration_is_real
+
+    cases = {
+        'overlap, no_sync installed, dense': (NS(no_sync_func=print), NS(overlap_grad_reduce=True)),
+        'no overlap': (NS(no_sync_func=None), NS(overlap_grad_reduce=False)),
+        'overlap, no no_sync_func': (NS(no_sync_func=None), NS(overlap_grad_reduce=True)),
+        'overlap, MoE': (NS(no_sync_func=print, num_moe_experts=4), NS(overlap_grad_reduce=True)),
+    }
+    return {name: _calibration_is_real(*case) for name, case in cases.items()}

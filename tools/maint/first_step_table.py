@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Table of first/second real iteration against steady state from gpu_first_step.sh logs.
+
+    python3 tools/maint/first_step_table.py LOG_DIR
+
+Per log: iterations 1 and 2 and the median of iterations 5-30 ("elapsed time per iteration"),
+their ratios, the peak allocated memory, the largest "max allocated" that report_memory
+prints (it covers the warmup, which runs before the first iteration), and whether every iteration's lm loss equals the
+"none" arm of the same model and repeat.
+"""
+
+import gzip
+import pathlib
+import re
+import statistics
+import sys
+
+ITER = re.compile(
+    r'iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+).*?lm loss: ([0-9.E+-]+)'
+)
+PEAK = re.compile(r'max allocated: ([0-9.]+)')
+
+
+def parse(path: pathlib.Path) -> dict:
+    """Iteration times and losses, and the peak allocated memory, of one log."""
+    opener = gzip.open if path.suffix == '.gz' else open
+    with opener(path, 'rt', errors='replace') as handle:
+        text = handle.read()
+    times, losses = {}, {}
+    for it, ms, loss in ITER.findall(text):
+        times[int(it)], losses[int(it)] = float(ms), loss
+    peaks = [float(value) for value in PEAK.findall(text)]
+    return {'times': times, 'losses': losses, 'peak': max(peaks) if peaks else None}
+
+
+def main(log_dir: str) -> int:
+    """Print the markdown table; exit 1 when a log has no iterations."""
+    paths = sorted(pathlib.Path(log_dir).glob('*.log*'))
+    logs = {p.name.split('.')[0]: parse(p) for p in paths}
+    print('| model | arm | repeat | 1st ms | 2nd ms | steady ms (median 5-30) | 1st / steady '
+          '| 2nd / steady | peak alloc MB | losses = none |')
+    print('|---|---|---|---|---|---|---|---|---|---|')
+    status = 0
+    for name, run in logs.items():
+        model, arm, rep = name.split('-')
+        times = run['times']
+        if len(times) < 30:
+            print(f'| {model} | {arm} | {rep} | (incomplete: {len(times)} iterations) |')
+            status = 1
+            continue
+        steady = statistics.median(times[i] for i in range(5, 31))
+        none = logs.get(f'{model}-none-{rep}', {}).get('losses')
+        same = 'yes' if run['losses'] == none else 'NO'
+        print(
+            f'| {model} | {arm} | {rep} | {times[1]:.1f} | {times[2]:.1f} | {steady:.1f} '
+            f'| {times[1] / steady:.2f} | {times[2] / steady:.2f} | {run["peak"]} | {same} |'
+        )
+    return status
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1]))
