@@ -175,18 +175,24 @@ def test_bad_input():
     assert res['defaults'] == 0 and res['config_defaults'] == 0
     errors = res['errors']
     unsupported = 'WarmupUnsupportedError: --warmup-train-steps does not support '
+    layout = f'{unsupported}an inconsistent layout ('
     assert errors['pipeline'] == (
-        f'{unsupported}pipeline parallelism (pipeline_model_parallel_size=2 in the args)'
+        f'{layout}pipeline_model_parallel_size: 2 in the args, 1 in the model config, 1 in the '
+        'process groups)'
     )
     assert errors['pipeline_model_config'] == (
-        f'{unsupported}pipeline parallelism (pipeline_model_parallel_size=2 in the model config)'
+        f'{layout}pipeline_model_parallel_size: 1 in the args, 2 in the model config, 1 in the '
+        'process groups)'
     )
     assert errors['virtual_pipeline'] == (
-        f'{unsupported}virtual pipeline parallelism (virtual_pipeline_model_parallel_size=2 in the '
-        'args)'
+        f'{layout}virtual_pipeline_model_parallel_size: 2 in the args, 1 in the model config, 1 '
+        'in the process groups)'
     )
-    assert errors['virtual_pipeline_model_config'].endswith('=2 in the model config)')
-    assert errors['two_chunks'] == f'{unsupported}several model chunks (2 model chunks)'
+    assert errors['virtual_pipeline_model_config'].endswith(', 2 in the model config, 1 in the process groups)')
+    assert errors['two_chunks'] == (
+        f'{unsupported}2 model chunks with virtual_pipeline_model_parallel_size=1 (one chunk per '
+        'virtual pipeline stage)'
+    )
     assert errors['not_ddp'].startswith(f'{unsupported}model chunks that are not Megatron DDP')
     assert errors['no_optimizer'] == (
         'WarmupUnsupportedError: --warmup-train-steps needs an optimizer (got None)'
@@ -217,12 +223,13 @@ def test_bad_input():
     assert not any(res['callbacks_untouched'].values())
 
 
-def test_pipeline_layout_read_from_the_process_groups():
+def test_inconsistent_layout_read_from_the_process_groups():
     for res in _ok(LAYOUT_FROM_GROUPS.result()):
         assert res['args_pp'] == 1 and res['config_pp'] == 1
         assert res['error_message'] == (
-            'WarmupUnsupportedError: --warmup-train-steps does not support pipeline parallelism '
-            '(pipeline_model_parallel_size=2 in the process groups)'
+            'WarmupUnsupportedError: --warmup-train-steps does not support an inconsistent layout '
+            '(pipeline_model_parallel_size: 1 in the args, 1 in the model config, 2 in the process '
+            'groups)'
         )
 
 

@@ -230,7 +230,8 @@ def build_optimizer(
     if dtype == 'fp16':
         kwargs.update(initial_loss_scale=2.0**12, loss_scale_window=100, hysteresis=2)
     kwargs.update(overrides)
-    return get_megatron_optimizer(OptimizerConfig(**kwargs), [ddp_model])
+    chunks = ddp_model if isinstance(ddp_model, list) else [ddp_model]
+    return get_megatron_optimizer(OptimizerConfig(**kwargs), chunks)
 
 
 def microbatch(seed, step, index, micro_batch_size=4):

@@ -1,0 +1,419 @@
+"""Warmup scenarios in pipeline-parallel and expert-parallel layouts (patch 0003, issue 14 items 4-5).
+
+Each model chunk is one (virtual) pipeline stage of a tiny MLP that the real schedules drive: the
+first stage reads ``x`` from its batch, the middle stages read the activation that
+``set_input_tensor`` hands them, and the last stage reads ``y`` and returns the loss. Every stage
+has an expert block (params with ``allreduce = False``), so DDP has expert bucket groups and the
+optimizer is a ChainedOptimizer with an expert sub-optimizer; with EP 2 each rank's expert block
+is its own (expert DP 1), as in a MoE layer.
+
+Real steps go through megatron.training.training.train_step with train()'s set-up
+(install_train_loop_hooks), the pipeline schedule from get_forward_backward_func() and per-chunk
+data iterators (first and last stage only; middle stages get None, as in pretrain()).
+"""
+
+import contextlib
+import hashlib
+import io
+import random
+import types
+
+import numpy as np
+import torch
+
+from tests.scenarios import warmup as W
+from tests.scenarios.common import (
+    build_optimizer,
+    init_parallel,
+    install_train_loop_hooks,
+    make_config,
+)
+
+MBS = W.MBS
+HIDDEN = 8
+OUT = 4
+
+
+def _stage_model(config, first, last, seed, vp_stage):
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.module import MegatronModule
+
+    class StageModel(MegatronModule):
+        """One pipeline stage: what schedules.py and finalize_model_grads read on a chunk."""
+
+        def __init__(self):
+            super().__init__(config=config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.pg_collection = None
+            self.pre_process, self.post_process = first, last
+            self.vp_stage = vp_stage  # Float16Module casts the input on virtual stage 0 only
+            self.share_embeddings_and_output_weights = False
+            self.input_tensor = None
+            self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
+            self.expert = torch.nn.Linear(HIDDEN, HIDDEN)
+            for p in self.expert.parameters():
+                p.allreduce = False
+            self.head = torch.nn.Linear(HIDDEN, OUT) if last else None
+
+        def set_input_tensor(self, input_tensor):
+            if isinstance(input_tensor, list):
+                input_tensor = input_tensor[0]
+            self.input_tensor = input_tensor
+
+        def forward(self, x):
+            h = x.unsqueeze(0) if self.pre_process else self.input_tensor  # [seq 1, mbs, hidden]
+            h = torch.tanh(self.fc(h))
+            h = h + torch.tanh(self.expert(h))
+            return self.head(h[0]) if self.post_process else h
+
+    torch.manual_seed(seed)
+    return StageModel()
+
+
+def _core(chunk):
+    while not hasattr(chunk, 'post_process'):
+        chunk = chunk.module
+    return chunk
+
+
+def _forward_step(data_iterator, model):
+    """Reads a batch where the stage has an iterator; draws python, numpy and torch RNG."""
+    core = _core(model)
+    x, y = next(data_iterator) if data_iterator is not None else (None, None)
+    noise = torch.randn(MBS, HIDDEN) * 1e-2 + (random.random() - 0.5) * 1e-3
+    noise = noise + float(np.random.rand()) * 1e-3
+    if x is not None:
+        x = x + noise.to(x.device)
+    output = model(x)
+    if not core.post_process:
+        return output, lambda out: out
+    return output, lambda out: W._loss_func(y, out)
+
+
+def _batches(seed, device, dp_rank, count=None):
+    g = torch.Generator().manual_seed(seed + dp_rank)
+    n = 0
+    while count is None or n < count:
+        n += 1
+        yield torch.randn(MBS, HIDDEN, generator=g).to(device), torch.randn(
+            MBS, OUT, generator=g
+        ).to(device)
+
+
+class PPTrainer:
+    """Model chunks (one per virtual stage) in DDP, optimizer, scheduler and global args."""
+
+    def __init__(self, ctx, dtype, overlap, distopt, acc, vpp=1, opg=False, opt_kwargs=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core import rerun_state_machine
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        rerun_state_machine.destroy_rerun_state_machine()
+        rerun_state_machine.initialize_rerun_state_machine()
+        self.ctx, self.acc, self.vpp = ctx, acc, vpp
+        pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        self.config = make_config(
+            dtype,
+            num_layers=pp * vpp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        )
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=distopt,
+            bucket_size=40,
+            overlap_param_gather=opg,
+        )
+        self.model = []
+        for i in range(vpp):
+            stage = i * pp + rank  # virtual stage of chunk i
+            first, last = stage == 0, stage == pp * vpp - 1
+            chunk = _stage_model(self.config, first, last, 1234 + 101 * stage, i).to(ctx.device)
+            if dtype != 'fp32':
+                chunk = Float16Module(self.config, chunk)
+            self.model.append(
+                DistributedDataParallel(
+                    config=self.config,
+                    ddp_config=ddp_config,
+                    module=chunk,
+                    disable_bucketing=i > 0,  # as get_model()
+                )
+            )
+        self.optimizer = build_optimizer(self.model, dtype=dtype, distopt=distopt, **(opt_kwargs or {}))
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.config.grad_scale_func = None
+        self.config.no_sync_func = self.config.finalize_model_grads_func = None
+        self.config.timers = None
+        self.scheduler = W._scheduler(self)
+        shim = types.SimpleNamespace(model=self.model[0], dp_size=self.dp_size, ctx=ctx)
+        self.args = W._set_global_args(shim, acc, opg)
+        self.args.pipeline_model_parallel_size = pp
+        self.args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+        self.args.expert_model_parallel_size = ps.get_expert_model_parallel_world_size()
+
+    def iterators(self, make):
+        """Per-chunk iterators as pretrain() builds them: first and last stage only (the warmup
+        builds its own with warmup.stage_batches, which a pristine tree lacks)."""
+        from megatron.core import parallel_state as ps
+
+        pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        its = [
+            make() if (rank, i) in ((0, 0), (pp - 1, self.vpp - 1)) else None
+            for i in range(self.vpp)
+        ]
+        return its if self.vpp > 1 else its[0]
+
+    def digests(self):
+        """Bitwise digests of this rank's state (params, optimizer per sub-optimizer, ...)."""
+        out = {}
+        h = hashlib.sha256()
+        for chunk in self.model:
+            for _, p in chunk.named_parameters():
+                W._sha(h, p)
+        out['params'] = h.hexdigest()[:16]
+        for index, opt in enumerate(W._optimizers(self.optimizer)):
+            h = hashlib.sha256()
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                h.update(repr(sorted((k, v) for k, v in group.items() if k != 'params')).encode())
+                for p in group['params']:
+                    W._sha(h, p)
+                    for key, value in sorted(inner.state.get(p, {}).items()):
+                        h.update(key.encode())
+                        W._sha(h, value) if isinstance(value, torch.Tensor) else h.update(
+                            repr(value).encode()
+                        )
+            out[f'optimizer{index}'] = h.hexdigest()[:16]
+        out['optimizer_state_entries'] = [
+            len(o.optimizer.state) for o in W._optimizers(self.optimizer)
+        ]
+        out['scheduler'] = repr(sorted(self.scheduler.state_dict().items()))
+        h = hashlib.sha256()
+        W._sha(h, torch.get_rng_state())
+        h.update(repr(random.getstate()).encode())
+        h.update(np.random.get_state()[1].tobytes())
+        out['rng'] = h.hexdigest()[:16]
+        args = self.args
+        out['counters'] = [args.iteration, args.consumed_train_samples]
+        h = hashlib.sha256()
+        for chunk in self.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                W._sha(h, buffer.grad_data)
+        out['grad_buffers'] = h.hexdigest()[:16]
+        out['calibration'] = [
+            [group.is_first_batch, len(group.golden_per_param_grad_ready_counts)]
+            for chunk in self.model
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+        ]
+        out['n_expert_bucket_groups'] = sum(len(c.expert_parallel_bucket_groups) for c in self.model)
+        return out
+
+    def real_steps(self, steps, first_step=0):
+        """train()'s set-up, then ``steps`` real train_step calls; returns this rank's losses."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.training import training
+
+        param_sync_func = install_train_loop_hooks(self.model, self.optimizer, self.config, self.args)
+        pending = training.should_disable_forward_pre_hook(self.args)
+        losses = []
+        for step in range(first_step, first_step + steps):
+            data = self.iterators(
+                lambda: _batches(10_000 + 97 * step, self.ctx.device, self.dp_rank, self.acc)
+            )
+            with contextlib.redirect_stdout(io.StringIO()):
+                out = training.train_step(
+                    _forward_step,
+                    data,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    self.config,
+                    get_forward_backward_func(),
+                    iteration=self.args.iteration,
+                )
+            if pending and not out[1]:
+                training.enable_forward_pre_hook(self.model)
+                self.config.param_sync_func = param_sync_func
+                pending = False
+            self.args.iteration += 1
+            self.args.consumed_train_samples += MBS * self.dp_size * self.acc
+            losses.append(float(out[0]['loss']) if 'loss' in out[0] else None)
+        return losses
+
+    def warmup(self, steps, forward_step=_forward_step, **kwargs):
+        from megatron.training.warmup import run_warmup
+
+        from megatron.training.warmup import stage_batches
+
+        make = lambda: _batches(777, self.ctx.device, 0)  # noqa: E731
+        data = stage_batches(self.model, self.config, self.args, make)
+        self.stages_with_batches = [
+            i for i, it in enumerate(data if isinstance(data, list) else [data]) if it is not None
+        ]
+        with contextlib.redirect_stdout(io.StringIO()):
+            return run_warmup(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.config,
+                steps,
+                forward_step,
+                data_iterator=data,
+                args=self.args,
+                **kwargs,
+            )
+
+
+def _layout(ctx, pp, ep, vpp):
+    from megatron.core import parallel_state as ps
+
+    W._import_training()
+    ps.destroy_model_parallel()
+    init_parallel(pp=pp, ep=ep, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    return {
+        'pp': ps.get_pipeline_model_parallel_world_size(),
+        'pp_rank': ps.get_pipeline_model_parallel_rank(),
+        'dp': ps.get_data_parallel_world_size(),
+        'ep': ps.get_expert_model_parallel_world_size(),
+        'expert_dp': ps.get_expert_data_parallel_world_size(),
+    }
+
+
+@W._device_rng
+def scenario_exactness(ctx, combos, warmup_steps=2, real_steps=3):
+    """Per combo: real steps after warmup+restore vs without warmup, bitwise, on every rank."""
+    results = []
+    for combo in combos:
+        pp, ep, vpp = combo.get('pp', 1), combo.get('ep', 1), combo.get('vpp', 1)
+        arms = {}
+        for arm in ('none', 'fork'):
+            layout = _layout(ctx, pp, ep, vpp)
+            t = PPTrainer(
+                ctx, combo['dtype'], combo['overlap'], combo['distopt'], combo['acc'], vpp
+            )
+            W._seed_all()
+            res = {'layout': layout}
+            if combo.get('resume'):
+                t.real_steps(combo['resume'])
+                for name in W._CONFIG_CALLBACKS:  # leave train() as a resumed run starts
+                    setattr(t.config, name, None)
+                for chunk in t.model:
+                    chunk.zero_grad_buffer()
+                res['resumed_state_entries'] = t.digests()['optimizer_state_entries']
+            before = t.digests()
+            if arm == 'fork':
+                report = t.warmup(warmup_steps)
+                after = t.digests()
+                res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
+                res['groups_reset'] = report.bucket_groups_reset
+                res['stages_with_batches'] = t.stages_with_batches
+                res['warmup_losses'] = [float(x['loss']) if x else None for x in report.losses]
+            res['losses'] = t.real_steps(real_steps, combo.get('resume', 0))
+            res['final'] = t.digests()
+            arms[arm] = res
+        none, fork = arms['none'], arms['fork']
+        results.append(
+            {
+                'combo': combo,
+                'layout': fork['layout'],
+                'losses_none': none['losses'],
+                'losses_fork': fork['losses'],
+                'diff_keys': [k for k in none['final'] if none['final'][k] != fork['final'][k]],
+                'final': fork['final'],
+                'fork': {k: v for k, v in fork.items() if k not in ('final', 'layout')},
+            }
+        )
+    return {'results': results}
+
+
+@W._device_rng
+def scenario_naive(ctx, pp, acc, finalize, ep=1, warmup_steps=2, real_steps=3):
+    """A naive warmup (train_step before train()'s set-up, no restore), then real steps."""
+    out = {'layout': _layout(ctx, pp, ep, 1)}
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.training import training
+
+    arms = {}
+    for arm in ('none', 'naive'):
+        _layout(ctx, pp, ep, 1)
+        t = PPTrainer(ctx, 'bf16', True, True, acc)
+        W._seed_all()
+        try:
+            if arm == 'naive':
+                t.config.finalize_model_grads_func = finalize_model_grads if finalize else None
+                data = t.iterators(lambda: _batches(777, ctx.device, 0))
+                with contextlib.redirect_stdout(io.StringIO()):
+                    for _ in range(warmup_steps):
+                        training.train_step(
+                            _forward_step,
+                            data,
+                            t.model,
+                            t.optimizer,
+                            t.scheduler,
+                            t.config,
+                            get_forward_backward_func(),
+                            iteration=0,
+                        )
+                t.config.finalize_model_grads_func = None
+            arms[arm] = {'losses': t.real_steps(real_steps), 'error': None}
+        except Exception as exc:  # noqa: BLE001 - the upstream assertion is the expected outcome
+            arms[arm] = {'losses': None, 'error': f'{type(exc).__name__}: {exc}'}
+    out['none'], out['naive'] = arms['none'], arms['naive']
+    return out
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+@W._device_rng
+def scenario_fault(ctx, pp, fail_rank, warmup_steps=3, fail_step=2, acc=2):
+    """A warmup step raises on one rank (one stage) only, after its schedule ran: every rank
+    restores its state and raises (the failing rank its own error, the others WarmupPeerError);
+    real steps afterwards are bitwise equal to a run without warmup."""
+    W._import_training()
+    from megatron.training.warmup import WarmupPeerError
+
+    results = {}
+    for arm in ('none', 'fault'):
+        _layout(ctx, pp, 1, 1)
+        t = PPTrainer(ctx, 'bf16', True, True, acc, opg=True)
+        W._seed_all()
+        before = t.digests()
+        callbacks = {n: getattr(t.config, n) for n in W._CONFIG_CALLBACKS}
+        res = {}
+        if arm == 'fault':
+            scheduler_step, calls = t.scheduler.step, {'n': 0}
+
+            def failing_step(*a, **k):
+                calls['n'] += 1
+                if ctx.rank == fail_rank and calls['n'] == fail_step:
+                    raise _Injected(f'injected failure on rank {ctx.rank}')
+                return scheduler_step(*a, **k)
+
+            t.scheduler.step = failing_step
+            try:
+                t.warmup(warmup_steps)
+                res['raised'] = None
+            except (_Injected, WarmupPeerError) as exc:
+                res['raised'] = f'{type(exc).__name__}: {exc}'
+            del t.scheduler.step
+            res['steps_started'] = calls['n']
+            after = t.digests()
+            res['state_diff'] = [k for k in before if before[k] != after[k]]
+            res['callbacks_restored'] = all(
+                getattr(t.config, n) is v for n, v in callbacks.items()
+            )
+            res['hooks_restored'] = all(len(c.remove_forward_pre_hook_handles) > 0 for c in t.model)
+        res['losses'] = t.real_steps(3)
+        res['final'] = t.digests()
+        results[arm] = res
+    fault = results['fault']
+    fault['identical_to_no_warmup'] = (
+        fault.pop('final') == results['none']['final']
+        and fault['losses'] == results['none']['losses']
+    )
+    return fault
