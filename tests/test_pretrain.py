@@ -97,7 +97,11 @@ def test_warmup_ran_at_the_start_of_train(ws):
         if rank == 0:
             reset, ran = res['warmup_log']
             assert reset.startswith('[warmup] Reset DDP grad-ready calibration on ')
-            assert reset.endswith(' bucket groups (0 outstanding collectives drained)')
+            groups = reset.split(' calibration on ')[1].split(' ')[0]
+            assert reset.endswith(
+                f" bucket groups (0 outstanding collectives drained; the warmup's own calibration "
+                f"kept on {groups})"
+            )
             assert ran.startswith('[warmup] Ran 2 warmup train steps in ')
         else:
             assert res['warmup_log'] == []

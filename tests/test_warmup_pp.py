@@ -58,10 +58,14 @@ def test_exact_restore_pipeline_and_expert_layouts(ws):
             assert r['losses_none'] == r['losses_fork'], (rank, combo)
             last = layout['pp_rank'] == layout['pp'] - 1
             assert all((loss is not None) == last for loss in r['losses_fork']), (rank, combo)
-            # The state right after the warmup equals the state before it; a resumed run's DDP
-            # calibration is re-armed (first batch again), by design.
-            allowed = ['calibration'] if combo.get('resume') else []
-            assert fork['after_warmup_diff'] in ([], allowed), (rank, combo, fork['after_warmup_diff'])
+            # The state right after the warmup equals the state before it, except the DDP
+            # calibration of a fresh run where the warmup recorded one: kept (its steps ran with
+            # train()'s no_sync_func), where before the warmup nothing was calibrated yet. (The
+            # pipeline schedules leave some stages' groups uncalibrated: nothing to keep there.)
+            assert fork['calibration_kept'] == 0 or combo['overlap'], (rank, combo)
+            kept = fork['calibration_kept'] and not combo.get('resume')
+            allowed = ['calibration'] if kept else []
+            assert fork['after_warmup_diff'] == allowed, (rank, combo, fork['after_warmup_diff'])
             # Expert bucket groups exist in every chunk and were reset with the dense ones.
             vpp = combo.get('vpp', 1)
             assert r['final']['n_expert_bucket_groups'] == vpp, combo

@@ -34,6 +34,14 @@ HIDDEN = 8
 OUT = 4
 
 
+
+def _live_state(state):
+    """Optimizer state of one param; Adam's fresh state (zero moments, step 0), which the warmup
+    keeps allocated, reads as absent."""
+    if all(isinstance(v, torch.Tensor) and not v.any() for v in state.values()):
+        return {}
+    return state
+
 def _stage_model(config, first, last, seed, vp_stage):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.module import MegatronModule
@@ -180,14 +188,15 @@ class PPTrainer:
                 h.update(repr(sorted((k, v) for k, v in group.items() if k != 'params')).encode())
                 for p in group['params']:
                     W._sha(h, p)
-                    for key, value in sorted(inner.state.get(p, {}).items()):
+                    for key, value in sorted(_live_state(inner.state.get(p, {})).items()):
                         h.update(key.encode())
                         W._sha(h, value) if isinstance(value, torch.Tensor) else h.update(
                             repr(value).encode()
                         )
             out[f'optimizer{index}'] = h.hexdigest()[:16]
         out['optimizer_state_entries'] = [
-            len(o.optimizer.state) for o in W._optimizers(self.optimizer)
+            sum(bool(_live_state(state)) for state in o.optimizer.state.values())
+            for o in W._optimizers(self.optimizer)
         ]
         out['scheduler'] = repr(sorted(self.scheduler.state_dict().items()))
         h = hashlib.sha256()
@@ -308,6 +317,7 @@ def scenario_exactness(ctx, combos, warmup_steps=2, real_steps=3):
                 after = t.digests()
                 res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
                 res['groups_reset'] = report.bucket_groups_reset
+                res['calibration_kept'] = report.calibration_kept
                 res['stages_with_batches'] = t.stages_with_batches
                 res['warmup_losses'] = [float(x['loss']) if x else None for x in report.losses]
             res['losses'] = t.real_steps(real_steps, combo.get('resume', 0))
@@ -417,3 +427,4 @@ def scenario_fault(ctx, pp, fail_rank, warmup_steps=3, fail_step=2, acc=2):
         and fault['losses'] == results['none']['losses']
     )
     return fault
+
