@@ -16,7 +16,7 @@ default=$($py -c 'import tomllib; print(tomllib.load(open("patches/upstream.toml
 releases=$($py -c 'import tomllib; p = tomllib.load(open("patches/upstream.toml", "rb"))
 print(" ".join(b for b in p["maintained"] if "commit" not in p["bases"][b]))')
 # The counterfactual files: each arm runs the real upstream code of the selected base.
-counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_expert_grad_stats.py
+counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_warmup_pp.py tests/test_expert_grad_stats.py
   tests/test_ddp_training.py tests/test_grad_ready_diagnostics.py tests/test_attention_sink_grad_stats.py
   tests/test_param_norm.py tests/test_layer_wise_grad_stats.py tests/test_pretrain.py)
 
