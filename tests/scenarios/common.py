@@ -11,6 +11,7 @@ import copy
 import glob
 import hashlib
 import os
+import types
 from functools import partial
 
 import torch
@@ -20,6 +21,26 @@ HIDDEN = 8
 FFN = 16
 OUT = 4
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def train_loop_args(**overrides):
+    """The Megatron args that install_train_loop_hooks() and the warmup read, at pretrain()'s
+    defaults for a DDP run with overlap_grad_reduce; ``overrides`` replace single values."""
+    args = dict(
+        overlap_grad_reduce=True,
+        align_grad_reduce=True,
+        overlap_param_gather=False,
+        align_param_gather=False,
+        use_distributed_optimizer=False,
+        use_megatron_fsdp=False,
+        skip_train=False,
+        perform_rl_step=False,
+        no_load_optim=False,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        iteration=0,
+    )
+    return types.SimpleNamespace(**{**args, **overrides})
 
 
 def install_train_loop_hooks(model, optimizer, config, args):

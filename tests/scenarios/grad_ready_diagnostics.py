@@ -84,6 +84,8 @@ def _build(ctx, mode, dtype, distopt, bucket_size):
         model.net.use_branch_bias = False
     ddp = wrap_ddp(model, config, overlap=True, distopt=distopt, bucket_size=bucket_size)
     optimizer = build_optimizer(ddp, dtype=dtype, distopt=distopt)
+    # The DDP callbacks alone (megatron.training, whose install_train_loop_hooks() sets the same,
+    # is not imported by these core-only scenarios).
     config.no_sync_func = ddp.no_sync
     from megatron.core.distributed import finalize_model_grads
 

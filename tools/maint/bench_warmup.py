@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -256,21 +255,10 @@ def run_worker(spec):
         wd_incr_steps=1000,
         wd_incr_style='constant',
     )
+    from tests.scenarios.common import install_train_loop_hooks, train_loop_args
+
     # The args train() reads for this set-up (pretrain()'s defaults for this configuration).
-    args = types.SimpleNamespace(
-        overlap_grad_reduce=True,
-        align_grad_reduce=True,
-        overlap_param_gather=False,
-        align_param_gather=False,
-        use_distributed_optimizer=True,
-        use_megatron_fsdp=False,
-        skip_train=False,
-        perform_rl_step=False,
-        no_load_optim=False,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        iteration=0,
-    )
+    args = train_loop_args(use_distributed_optimizer=True)
     model.train()
     chunks = [model]
     forward_backward_func = get_forward_backward_func()
@@ -314,8 +302,6 @@ def run_worker(spec):
     # What train() installs before its loop, after the warmup as in train(): the function train()
     # calls (a pristine tree lacks it; the helper compiles the same function from this base's
     # patch, FORK_TEST_BASE selects the base).
-    from tests.scenarios.common import install_train_loop_hooks
-
     install_train_loop_hooks(chunks, optimizer, config, args)
     if mem:
         out['allocated_before_first_step_bytes'] = torch.cuda.memory_allocated()
