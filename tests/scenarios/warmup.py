@@ -661,12 +661,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
             res['losses'] = [run.step()[0] for _ in range(3)]
         res['final'] = _digests(trainer, scheduler, args)
         results[arm] = res
-    fault = results['fault']
-    fault['identical_to_no_warmup'] = (
-        fault.pop('final') == results['none']['final']
-        and fault['losses'] == results['none']['losses']
-    )
-    return fault
+    return _fault_against_none(results)
 
 
 @_device_rng
@@ -799,3 +794,14 @@ def scenario_calibration_rule(ctx):
         'overlap, MoE': (NS(no_sync_func=print, num_moe_experts=4), NS(overlap_grad_reduce=True)),
     }
     return {name: _calibration_is_real(*case) for name, case in cases.items()}
+
+
+def _fault_against_none(results):
+    """The 'fault' arm's result, with whether its training after the restore is bitwise the
+    'none' arm's (final digests and losses)."""
+    fault = results['fault']
+    fault['identical_to_no_warmup'] = (
+        fault.pop('final') == results['none']['final']
+        and fault['losses'] == results['none']['losses']
+    )
+    return fault

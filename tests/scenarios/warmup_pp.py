@@ -421,10 +421,5 @@ def scenario_fault(ctx, pp, fail_rank, warmup_steps=3, fail_step=2, acc=2):
         res['losses'] = t.real_steps(3)
         res['final'] = t.digests()
         results[arm] = res
-    fault = results['fault']
-    fault['identical_to_no_warmup'] = (
-        fault.pop('final') == results['none']['final']
-        and fault['losses'] == results['none']['losses']
-    )
-    return fault
+    return W._fault_against_none(results)
 
