@@ -180,3 +180,21 @@ def test_repository_specs_are_well_formed():
             for test in entry['tests']:
                 assert (REPO / test.split('::')[0]).is_file(), test
     assert ids
+
+
+def test_refuses_a_tree_the_tests_do_not_import():
+    """For the base the repository's megatron/ is materialized from, the harness imports the
+    repository itself: mutating build/trees/fork-<base> would let every mutation "survive"."""
+    marker = REPO / '.pq' / 'fork-base'
+    if not marker.is_file() or not (REPO / 'megatron').is_dir():
+        pytest.skip('megatron/ is not materialized in this checkout')
+    base = marker.read_text().strip()
+    tree = REPO / 'build' / 'trees' / f'fork-{base}'
+    proc = subprocess.run(
+        [sys.executable, str(MUTATE), '--tree', str(tree), '--list'],
+        capture_output=True,
+        text=True,
+        env={**os.environ, 'FORK_TEST_BASE': base},
+    )
+    assert proc.returncode == 2
+    assert f'the tests of base {base} import' in proc.stderr and '--tree .' in proc.stderr

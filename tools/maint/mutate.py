@@ -110,6 +110,24 @@ def check_applicable(mutation, tree):
         )
 
 
+def check_tree_is_tested(tree):
+    """Raise SpecError when the tests would import another tree than ``tree``: for the base that
+    the repository's megatron/ is materialized from, the harness uses the repository itself
+    (tests/harness/launcher.py), so mutating build/trees/fork-<base> would change nothing."""
+    marker = REPO / '.pq' / 'fork-base'
+    base = os.environ.get('FORK_TEST_BASE')
+    if not base:
+        with open(REPO / 'patches' / 'upstream.toml', 'rb') as f:
+            base = tomllib.load(f)['default']
+    if (REPO / 'megatron').is_dir() and marker.is_file():
+        trees = REPO / 'build' / 'trees'
+        if marker.read_text().strip() == base and trees in Path(tree).resolve().parents:
+            raise SpecError(
+                f'--tree {tree}: the tests of base {base} import {REPO}/megatron (materialized '
+                'from that base), not this tree; pass --tree . or materialize another base'
+            )
+
+
 def _drop_bytecode(path):
     """Remove the cached bytecode of a source file (every optimisation level)."""
     for level in ('', 1, 2):
@@ -206,6 +224,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     try:
+        check_tree_is_tested(args.tree)
         selected = load(args.mutations, args.patch, args.only)
         for mutation in selected:
             check_applicable(mutation, args.tree)
