@@ -36,16 +36,19 @@ EXACT = {
 }
 
 
-# The emerging-optimizer entry of get_megatron_optimizer (optimizer='lion'). These 1-D params are
-# routed by lion's default overrides to its Adam fallback, so the wrappers come from the standard
-# call site; the emerging wrapper call site (2-D weights) is NOT reached yet (mutation
-# 0005-emerging-call-site-no-groups survives). Needs the emerging-optimizers package, which the
-# CPU suite's requirements do not install; without it these arms are not registered and skip.
+# The emerging-optimizer entry of get_megatron_optimizer (optimizer='lion'), with 1x1 matrices:
+# Lion takes 2-D params itself (1-D ones go to its Adam fallback through the standard call site),
+# so the wrappers come from the emerging call site. Needs the emerging-optimizers package
+# (tools/requirements-test.txt); without it these arms are not registered and skip.
 HAVE_EMERGING = importlib.util.find_spec('emerging_optimizers') is not None
 EMERGING = {
-    'bf16_lion': dict(use_distributed_optimizer=False, dtype='bf16', optimizer='lion'),
+    'bf16_lion': dict(use_distributed_optimizer=False, dtype='bf16', optimizer='lion', matrix=True),
     'fp32_lion_pgc': dict(
-        use_distributed_optimizer=False, dtype='fp32', optimizer='lion', pg_collection=True
+        use_distributed_optimizer=False,
+        dtype='fp32',
+        optimizer='lion',
+        pg_collection=True,
+        matrix=True,
     ),
 }
 TORCH_DTYPE = {'bf16': 'torch.bfloat16', 'fp16': 'torch.float16', 'fp32': 'torch.float32'}

@@ -192,6 +192,26 @@ def _is_cuda_device(value):
     return False
 
 
+def _uneven(args, kwargs):
+    """A synchronous all_gather whose receive tensors differ in size (NCCL takes that; upstream
+    dev's LayerWiseDistributedOptimizer.allgather_params relies on it; gloo refuses it)."""
+    tensor_list = args[0] if args else kwargs.get('tensor_list')
+    if kwargs.get('async_op') or not tensor_list:
+        return False
+    return len({t.numel() for t in tensor_list}) > 1
+
+
+def _uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
+    """all_gather of uneven sizes on gloo: pad every contribution to the largest, then slice."""
+    size = max(t.numel() for t in tensor_list)
+    padded = torch.zeros(size, dtype=tensor.dtype)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    gathered = [torch.empty(size, dtype=tensor.dtype) for _ in tensor_list]
+    torch.distributed.all_gather(gathered, padded, group=group)
+    for out, value in zip(tensor_list, gathered):
+        out.copy_(value[: out.numel()].view_as(out))
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Maps device='cuda' (factories, .to) to CPU and makes Tensor.cuda() a no-op."""
 
@@ -199,6 +219,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.distributed.all_gather and _uneven(args, kwargs):
+            return _uneven_all_gather(*args, **kwargs)
         if 'device' in kwargs and (
             _is_cuda_device(kwargs['device']) or type(kwargs['device']) is int
         ):

@@ -155,12 +155,19 @@ def _groups(ctx):
 
 
 def scenario_exact_oracle(
-    ctx, use_distributed_optimizer, dtype='bf16', pg_collection=False, optimizer='adam'
+    ctx,
+    use_distributed_optimizer,
+    dtype='bf16',
+    pg_collection=False,
+    optimizer='adam',
+    matrix=False,
 ):
     """TP = EP = world, ETP = 1: one replicated dense scalar, one distinct expert scalar per rank.
 
     Expected: grads all 1 -> norm sqrt(1 + world); grads all 0 -> zero count 1 + world.
-    dtype, pg_collection and optimizer are passed to _build.
+    dtype, pg_collection and optimizer are passed to _build; matrix: the two scalars are 1x1
+    matrices (emerging optimizers such as Lion take 2-D params themselves and hand 1-D ones to
+    their Adam fallback, so only 2-D params reach the emerging wrapper's call site).
     """
     from megatron.core import parallel_state as ps
 
@@ -175,7 +182,7 @@ def scenario_exact_oracle(
         world,
         world,
         1,
-        {'dense': 1, 'expert': 1},
+        {'dense': (1, 1) if matrix else 1, 'expert': (1, 1) if matrix else 1},
         {'expert'},
         set(),
         use_distributed_optimizer,
@@ -362,7 +369,9 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     model = DistributedDataParallel(
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
     )
-    names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias'] if bias else ['fc1.weight', 'fc2.weight']
+    names = ['fc1.weight', 'fc2.weight']
+    if bias:
+        names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
     params = dict(model.module.named_parameters())
     expert_buffer_params = {p for b in model.expert_parallel_buffers for p in b.params}
     placement = {n: ('expert' if params[n] in expert_buffer_params else 'dense') for n in names}
