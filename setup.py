@@ -22,7 +22,13 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "tools"))
 
-from megatron_fork import dist, manifest, queue, series, upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork import (  # noqa: E402  pylint: disable=C0413
+    dist,
+    manifest,
+    queue,
+    series,
+    upstream,
+)
 
 try:
     from pybind11.setup_helpers import Pybind11Extension
@@ -71,6 +77,7 @@ class BuildPyWithManifest(build_py):
     """build_py that pins ``__version__`` and writes megatron_fork/manifest.json."""
 
     def run(self):
+        """Build, then pin the version line and write the manifest into the build tree."""
         super().run()
         info = Path(self.build_lib) / "megatron" / "core" / "package_info.py"
         info.write_text(info.read_text() + VERSION_LINE.format(VERSION))

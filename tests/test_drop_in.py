@@ -30,12 +30,19 @@ CALL = (
 def _compiled_helper():
     """Path of helpers_cpp*.so of the fork installed in this environment (tools/install.sh)."""
     proc = subprocess.run(
-        [sys.executable, '-I', '-c', 'import megatron.core.datasets.helpers_cpp as h; print(h.__file__)'],
+        [
+            sys.executable,
+            '-I',
+            '-c',
+            'import megatron.core.datasets.helpers_cpp as h; print(h.__file__)',
+        ],
         cwd='/',
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 0, f'the fork is not installed here (run tools/install.sh):\n{proc.stderr}'
+    assert (
+        proc.returncode == 0
+    ), f'the fork is not installed here (run tools/install.sh):\n{proc.stderr}'
     return Path(proc.stdout.strip())
 
 
@@ -123,7 +130,9 @@ def test_version_is_the_distributions_inside_a_git_repo():
 
 
 def _requirements(lines):
-    return sorted(line.split(':', 1)[1].strip() for line in lines if line.startswith('Requires-Dist:'))
+    return sorted(
+        line.split(':', 1)[1].strip() for line in lines if line.startswith('Requires-Dist:')
+    )
 
 
 def test_requirements_and_extras_match_upstream():
@@ -140,7 +149,9 @@ def test_requirements_and_extras_match_upstream():
     pin = upstream.load_pin()
     wheel = upstream.fetch_wheel(pin, base["name"], offline=True)
     text = dist.wheel_metadata(wheel)
-    upstream_extras = [ln.split(':', 1)[1].strip() for ln in text.splitlines() if ln.startswith('Provides-Extra:')]
+    upstream_extras = [
+        ln.split(':', 1)[1].strip() for ln in text.splitlines() if ln.startswith('Provides-Extra:')
+    ]
     assert extras == upstream_extras
     assert {'training', 'mlm', 'dev', 'lts', 'te', 'ssm'} <= set(extras)
     assert sorted(requires) == _requirements(text.splitlines())

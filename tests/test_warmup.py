@@ -188,7 +188,9 @@ def test_bad_input():
         f'{layout}virtual_pipeline_model_parallel_size: 2 in the args, 1 in the model config, 1 '
         'in the process groups)'
     )
-    assert errors['virtual_pipeline_model_config'].endswith(', 2 in the model config, 1 in the process groups)')
+    assert errors['virtual_pipeline_model_config'].endswith(
+        ', 2 in the model config, 1 in the process groups)'
+    )
     assert errors['two_chunks'] == (
         f'{unsupported}2 model chunks with virtual_pipeline_model_parallel_size=1 (one chunk per '
         'virtual pipeline stage)'

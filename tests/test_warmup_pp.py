@@ -28,12 +28,11 @@ COMBOS = {
         _combo(2, 'bf16', True, True, ep=2),
         _combo(2, 'fp16', True, False, ep=2, resume=1),
     ],
-    4: [
-        _combo(2, 'bf16', True, True, pp=2),
-        _combo(2, 'fp32', True, False, pp=2, ep=2),
-    ],
+    4: [_combo(2, 'bf16', True, True, pp=2), _combo(2, 'fp32', True, False, pp=2, ep=2)],
 }
-EXACT = {ws: call(ws, 'fork', S + 'scenario_exactness', combos=combos) for ws, combos in COMBOS.items()}
+EXACT = {
+    ws: call(ws, 'fork', S + 'scenario_exactness', combos=combos) for ws, combos in COMBOS.items()
+}
 # The fault is raised on the first stage's rank 0 only, after that rank's schedule ran.
 FAULT = {ws: call(ws, 'fork', S + 'scenario_fault', pp=2, fail_rank=0) for ws in (2, 4)}
 

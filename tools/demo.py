@@ -84,7 +84,8 @@ def rows(world):
         for label, acc, fin in warm
     ] + [
         ("grad-ready over-count (calibrated 1, later no no_sync)", OVERCOUNT, {}, {}, 1),
-        (f"expert grad norm / zero count, TP=EP={world}, ETP=1, distopt", ORACLE, oracle, oracle, 1),
+        (f"expert grad norm / zero count, TP=EP={world}, ETP=1, distopt", ORACLE, oracle, oracle,
+         1),
         ("expert grad sync, TP2/EP1/ETP1 (0010)", EXPERT_SYNC, sync, sync, 2),
     ]  # fmt: skip
 
@@ -98,7 +99,10 @@ def register(world, base):
 
     handles = ([], [])
     for _, target, pristine_kw, fork_kw, min_world in rows(world):
-        for arm, tree, kwargs in ((0, f"pristine-{base}", pristine_kw), (1, f"fork-{base}", fork_kw)):
+        for arm, tree, kwargs in (
+            (0, f"pristine-{base}", pristine_kw),
+            (1, f"fork-{base}", fork_kw),
+        ):
             ok = world >= min_world
             handles[arm].append(call(world, tree, target, reuse=True, **kwargs) if ok else None)
     return handles
@@ -125,7 +129,9 @@ def expected(index, p, f, world, upstream_has_stats, upstream_has_sync):
         return True
     fixed = math.sqrt(1 + world)
     ok = math.isclose(f["norm"], fixed, rel_tol=1e-6)
-    return ok and math.isclose(p["norm"], fixed if upstream_has_stats else math.sqrt(2), rel_tol=1e-6)
+    return ok and math.isclose(
+        p["norm"], fixed if upstream_has_stats else math.sqrt(2), rel_tol=1e-6
+    )
 
 
 def render(world, results):

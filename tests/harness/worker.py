@@ -34,7 +34,6 @@ def _log(msg):
 def _reset_globals():
     """Destroy model-parallel state and other megatron globals between calls."""
     from megatron.core import parallel_state
-
     from tests.harness import group_cache
 
     parallel_state.destroy_model_parallel()
@@ -124,7 +123,6 @@ def main(spec_path, rank):
     _log(f'[rank {rank}] process group ready')
     if os.environ.get('FORK_TEST_REUSE_GROUPS', '1') != '0':
         from megatron.core import parallel_state
-
         from tests.harness import group_cache
 
         group_cache.install(dist, parallel_state)

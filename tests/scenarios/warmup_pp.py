@@ -1,4 +1,4 @@
-"""Warmup scenarios in pipeline-parallel and expert-parallel layouts (patch 0003, issue 14 items 4-5).
+"""Warmup scenarios in pipeline-parallel and expert-parallel layouts (patch 0003, issue 14).
 
 Each model chunk is one (virtual) pipeline stage of a tiny MLP that the real schedules drive: the
 first stage reads ``x`` from its batch, the middle stages read the activation that
@@ -34,13 +34,13 @@ HIDDEN = 8
 OUT = 4
 
 
-
 def _live_state(state):
     """Optimizer state of one param; Adam's fresh state (zero moments, step 0), which the warmup
     keeps allocated, reads as absent."""
     if all(isinstance(v, torch.Tensor) and not v.any() for v in state.values()):
         return {}
     return state
+
 
 def _stage_model(config, first, last, seed, vp_stage):
     from megatron.core.enums import ModelType
@@ -120,7 +120,10 @@ class PPTrainer:
         rerun_state_machine.destroy_rerun_state_machine()
         rerun_state_machine.initialize_rerun_state_machine()
         self.ctx, self.acc, self.vpp = ctx, acc, vpp
-        pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        pp, rank = (
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+        )
         self.config = make_config(
             dtype,
             num_layers=pp * vpp,
@@ -148,7 +151,9 @@ class PPTrainer:
                     disable_bucketing=i > 0,  # as get_model()
                 )
             )
-        self.optimizer = build_optimizer(self.model, dtype=dtype, distopt=distopt, **(opt_kwargs or {}))
+        self.optimizer = build_optimizer(
+            self.model, dtype=dtype, distopt=distopt, **(opt_kwargs or {})
+        )
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.config.grad_scale_func = None
@@ -166,7 +171,10 @@ class PPTrainer:
         builds its own with warmup.stage_batches, which a pristine tree lacks)."""
         from megatron.core import parallel_state as ps
 
-        pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        pp, rank = (
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+        )
         its = [
             make() if (rank, i) in ((0, 0), (pp - 1, self.vpp - 1)) else None
             for i in range(self.vpp)
@@ -190,8 +198,10 @@ class PPTrainer:
                     W._sha(h, p)
                     for key, value in sorted(_live_state(inner.state.get(p, {})).items()):
                         h.update(key.encode())
-                        W._sha(h, value) if isinstance(value, torch.Tensor) else h.update(
-                            repr(value).encode()
+                        (
+                            W._sha(h, value)
+                            if isinstance(value, torch.Tensor)
+                            else h.update(repr(value).encode())
                         )
             out[f'optimizer{index}'] = h.hexdigest()[:16]
         out['optimizer_state_entries'] = [
@@ -216,7 +226,9 @@ class PPTrainer:
             for chunk in self.model
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
         ]
-        out['n_expert_bucket_groups'] = sum(len(c.expert_parallel_bucket_groups) for c in self.model)
+        out['n_expert_bucket_groups'] = sum(
+            len(c.expert_parallel_bucket_groups) for c in self.model
+        )
         return out
 
     def real_steps(self, steps, first_step=0):
@@ -224,7 +236,9 @@ class PPTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.training import training
 
-        param_sync_func = install_train_loop_hooks(self.model, self.optimizer, self.config, self.args)
+        param_sync_func = install_train_loop_hooks(
+            self.model, self.optimizer, self.config, self.args
+        )
         pending = training.should_disable_forward_pre_hook(self.args)
         losses = []
         for step in range(first_step, first_step + steps):
@@ -252,9 +266,7 @@ class PPTrainer:
         return losses
 
     def warmup(self, steps, forward_step=_forward_step, **kwargs):
-        from megatron.training.warmup import run_warmup
-
-        from megatron.training.warmup import stage_batches
+        from megatron.training.warmup import run_warmup, stage_batches
 
         make = lambda: _batches(777, self.ctx.device, 0)  # noqa: E731
         data = stage_batches(self.model, self.config, self.args, make)
@@ -414,12 +426,9 @@ def scenario_fault(ctx, pp, fail_rank, warmup_steps=3, fail_step=2, acc=2):
             res['steps_started'] = calls['n']
             after = t.digests()
             res['state_diff'] = [k for k in before if before[k] != after[k]]
-            res['callbacks_restored'] = all(
-                getattr(t.config, n) is v for n, v in callbacks.items()
-            )
+            res['callbacks_restored'] = all(getattr(t.config, n) is v for n, v in callbacks.items())
             res['hooks_restored'] = all(len(c.remove_forward_pre_hook_handles) > 0 for c in t.model)
         res['losses'] = t.real_steps(3)
         res['final'] = t.digests()
         results[arm] = res
     return W._fault_against_none(results)
-

@@ -4,9 +4,9 @@
     python3 tools/maint/first_step_table.py LOG_DIR
 
 Per log: iterations 1 and 2 and the median of iterations 5-30 ("elapsed time per iteration"),
-their ratios, the peak allocated memory, the largest "max allocated" that report_memory
-prints (it covers the warmup, which runs before the first iteration), and whether every iteration's lm loss equals the
-"none" arm of the same model and repeat.
+their ratios, the peak allocated memory (the largest "max allocated" that report_memory prints;
+it covers the warmup, which runs before the first iteration), and whether every iteration's lm
+loss equals the "none" arm of the same model and repeat.
 """
 
 import gzip
@@ -16,7 +16,8 @@ import statistics
 import sys
 
 ITER = re.compile(
-    r'iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+).*?lm loss: ([0-9.E+-]+)'
+    r'iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)'
+    r'.*?lm loss: ([0-9.E+-]+)'
 )
 PEAK = re.compile(r'max allocated: ([0-9.]+)')
 
@@ -37,8 +38,10 @@ def main(log_dir: str) -> int:
     """Print the markdown table; exit 1 when a log has no iterations."""
     paths = sorted(pathlib.Path(log_dir).glob('*.log*'))
     logs = {p.name.split('.')[0]: parse(p) for p in paths}
-    print('| model | arm | repeat | 1st ms | 2nd ms | steady ms (median 5-30) | 1st / steady '
-          '| 2nd / steady | peak alloc MB | losses = none |')
+    print(
+        '| model | arm | repeat | 1st ms | 2nd ms | steady ms (median 5-30) | 1st / steady '
+        '| 2nd / steady | peak alloc MB | losses = none |'
+    )
     print('|---|---|---|---|---|---|---|---|---|---|')
     status = 0
     for name, run in logs.items():

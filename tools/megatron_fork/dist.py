@@ -15,7 +15,10 @@ from pathlib import Path
 
 from . import EXIT_UNAVAILABLE, ForkError, upstream
 
-_EXTRA = re.compile(r"""^(?P<req>.*?)\s*;\s*(?:(?P<marker>.*?)\s+and\s+)?extra\s*==\s*['"](?P<extra>[^'"]+)['"]\s*$""")
+_EXTRA = re.compile(
+    r"""^(?P<req>.*?)\s*;\s*(?:(?P<marker>.*?)\s+and\s+)?"""
+    r"""extra\s*==\s*['"](?P<extra>[^'"]+)['"]\s*$"""
+)
 
 
 def from_metadata(text):
