@@ -8,11 +8,15 @@
 # archive, never committed). Two models (small: 4 layers / 512 / seq 1024; large: 12 layers /
 # 2048 / seq 2048), accumulation 2, bf16, distributed optimizer, overlap_grad_reduce, 30
 # iterations, arms "none" and "warmup2" (--warmup-train-steps 2), REPEATS times each (default 2);
-# MODELS="small" or "large" runs one model only.
+# MODELS="small" or "large" runs one model only; EXTRA="--timing-log-level 2" adds arguments to
+# every run; TAG names the logs; PROBE=1 runs tools/maint/first_step_probe.py (live allocations
+# before the first real step, into $out/<model>-<arm>-<TAG><rep>.probe.json) instead of
+# pretrain_gpt.py itself.
 # Logs go to $OUT (or build/first-step-logs); tools/maint/first_step_table.py reads them.
 set -uo pipefail
 tree=$(realpath "$1") mlm=$(realpath "$2") repeats=${3:-2}
 out=${OUT:-$PWD/build/first-step-logs}
+probe=$(realpath "$(dirname "$0")/first_step_probe.py")
 mkdir -p "$out"
 
 common=(
@@ -33,10 +37,12 @@ for rep in $(seq 1 "$repeats"); do
       declare -n shape=$model
       extra=()
       [ "$arm" = warmup2 ] && extra=(--warmup-train-steps 2)
-      log="$out/$model-$arm-${REP_BASE:-0}$rep.log"
-      (cd "$mlm" && PYTHONPATH="$tree" NO_VCS_VERSION=0 python3 -m torch.distributed.run \
-        --nproc_per_node 1 --master_port 29511 pretrain_gpt.py "${common[@]}" "${shape[@]}" \
-        "${extra[@]}") >"$log" 2>&1
+      name="$out/$model-$arm-${TAG:-0}$rep"
+      script=pretrain_gpt.py
+      [ -n "${PROBE:-}" ] && script=$probe
+      (cd "$mlm" && PYTHONPATH="$tree" PROBE_OUT="$name.probe.json" NO_VCS_VERSION=0 python3 \
+        -m torch.distributed.run --nproc_per_node 1 --master_port 29511 "$script" "${common[@]}" \
+        "${shape[@]}" "${extra[@]}" ${EXTRA:-}) >"$name.log" 2>&1
       echo "== $model $arm $rep: rc $?"
     done
   done
