@@ -9,7 +9,7 @@
 # DEP_WHEEL_DIR: einops/pyyaml wheels for machines without an index. Each wheel goes into its own
 # venv (the running python3's site-packages are appended, so the machine's torch is used) outside the repository, so nothing
 # imports the materialized tree. Arms: pristine (expected to exit 1 in compile_helpers), fork
-# without warmup, fork with --warmup-train-steps 2 (both install paths). Logs go to $OUT (or
+# without warmup, fork with --warmup-train-steps 2. Logs go to $OUT (or
 # build/drop-in-logs); the losses are printed per iteration.
 set -uo pipefail
 fork_whl=$(realpath "$1") pristine_whl=$(realpath "$2") mlm=$(realpath "$3") deps=${4:+$(realpath "$4")}

@@ -6,7 +6,10 @@
 Per log: iterations 1 and 2 and the median of iterations 5-30 ("elapsed time per iteration"),
 their ratios, the peak allocated memory (the largest "max allocated" that report_memory prints;
 it covers the warmup, which runs before the first iteration), and whether every iteration's lm
-loss equals the "none" arm of the same model and repeat.
+loss equals the "none" arm of the same model and repeat. "noise" is the share of iterations 3-30
+of the same run that are themselves more than 5 % above that run's steady median: how often an
+iteration with no one-time cost at all misses a 1.05 bound. A summary line per model and arm gives
+the median and the largest ratio over the repeats.
 """
 
 import gzip
@@ -40,10 +43,10 @@ def main(log_dir: str) -> int:
     logs = {p.name.split('.')[0]: parse(p) for p in paths}
     print(
         '| model | arm | repeat | 1st ms | 2nd ms | steady ms (median 5-30) | 1st / steady '
-        '| 2nd / steady | peak alloc MB | losses = none |'
+        '| 2nd / steady | noise | peak alloc MB | losses = none |'
     )
-    print('|---|---|---|---|---|---|---|---|---|---|')
-    status = 0
+    print('|---|---|---|---|---|---|---|---|---|---|---|')
+    status, ratios = 0, {}
     for name, run in logs.items():
         model, arm, rep = name.split('-')
         times = run['times']
@@ -52,12 +55,25 @@ def main(log_dir: str) -> int:
             status = 1
             continue
         steady = statistics.median(times[i] for i in range(5, 31))
+        noise = sum(times[i] > 1.05 * steady for i in range(3, 31)) / 28
         none = logs.get(f'{model}-none-{rep}', {}).get('losses')
         same = 'yes' if run['losses'] == none else 'NO'
+        first, second = times[1] / steady, times[2] / steady
+        ratios.setdefault((model, arm), []).append((first, second))
         print(
             f'| {model} | {arm} | {rep} | {times[1]:.1f} | {times[2]:.1f} | {steady:.1f} '
-            f'| {times[1] / steady:.2f} | {times[2] / steady:.2f} | {run["peak"]} | {same} |'
+            f'| {first:.2f} | {second:.2f} | {noise:.0%} | {run["peak"]} | {same} |'
         )
+    print()
+    for (model, arm), pairs in ratios.items():
+        summary = []
+        for label, values in zip(('1st', '2nd'), zip(*pairs)):
+            within = sum(v <= 1.05 for v in values)
+            summary.append(
+                f'{label}/steady median {statistics.median(values):.2f}, '
+                f'max {max(values):.2f}, <= 1.05 in {within} of {len(values)}'
+            )
+        print(f'- {model} {arm}: ' + '; '.join(summary))
     return status
 
 
