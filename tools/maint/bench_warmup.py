@@ -286,7 +286,6 @@ def run_worker(spec):
             _forward_step,
             data_iterator=warm_iter,
             step_fn=step_fn,
-            forward_backward_func=forward_backward_func,
             args=args,
         )
         _sync(device)
