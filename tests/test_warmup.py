@@ -103,7 +103,7 @@ def test_fork_warmup_trains(ws, acc):
             n = res['groups_reset']
             assert res['log'][0] == (
                 f'[warmup] Reset DDP grad-ready calibration on {n} bucket groups '
-                f"(0 outstanding collectives drained; the warmup's own calibration kept on {n})"
+                f'(0 outstanding collectives drained; calibration kept on {n})'
             )
 
 

@@ -592,7 +592,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     from megatron.training import state_snapshot
     from megatron.training.warmup import run_warmup
 
-    def failing_drain(model):
+    def failing_drain(*args):
         raise RuntimeError('injected failure while draining collectives')
 
     init_parallel()

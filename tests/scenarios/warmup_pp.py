@@ -5,7 +5,9 @@ first stage reads ``x`` from its batch, the middle stages read the activation th
 ``set_input_tensor`` hands them, and the last stage reads ``y`` and returns the loss. Every stage
 has an expert block (params with ``allreduce = False``), so DDP has expert bucket groups and the
 optimizer is a ChainedOptimizer with an expert sub-optimizer; with EP 2 each rank's expert block
-is its own (expert DP 1), as in a MoE layer.
+is its own (expert DP 1), as in a MoE layer. With ``moe=True`` the expert block is upstream's own
+MoELayer (router with sigmoid scores and an aux-loss-free expert bias that finalize_model_grads
+updates, allgather token dispatcher, one local expert per EP rank).
 
 Real steps go through megatron.training.training.train_step with train()'s set-up
 (install_train_loop_hooks), the pipeline schedule from get_forward_backward_func() and per-chunk
@@ -42,6 +44,35 @@ def _live_state(state):
     return state
 
 
+def _moe_layer(config):
+    """Upstream's MoELayer from the local GPT layer spec (a partial on 0.19, a ModuleSpec before)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    return mlp(config=config) if callable(mlp) else build_module(mlp, config=config)
+
+
+def _moe_fields(ep):
+    """TransformerConfig fields of the MoE stage model: ``ep`` experts, top-1, expert bias."""
+    return dict(
+        num_moe_experts=ep,
+        moe_router_topk=1,
+        moe_router_pre_softmax=True,
+        moe_token_dispatcher_type='allgather',
+        moe_router_load_balancing_type='none',
+        moe_router_score_function='sigmoid',
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-2,
+        expert_model_parallel_size=ep,
+        add_bias_linear=False,
+        ffn_hidden_size=HIDDEN,
+        hidden_size=HIDDEN,
+        use_cpu_initialization=True,
+    )
+
+
 def _stage_model(config, first, last, seed, vp_stage):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.module import MegatronModule
@@ -58,9 +89,12 @@ def _stage_model(config, first, last, seed, vp_stage):
             self.share_embeddings_and_output_weights = False
             self.input_tensor = None
             self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
-            self.expert = torch.nn.Linear(HIDDEN, HIDDEN)
-            for p in self.expert.parameters():
-                p.allreduce = False
+            if config.num_moe_experts:
+                self.moe = _moe_layer(config)
+            else:
+                self.expert = torch.nn.Linear(HIDDEN, HIDDEN)
+                for p in self.expert.parameters():
+                    p.allreduce = False
             self.head = torch.nn.Linear(HIDDEN, OUT) if last else None
 
         def set_input_tensor(self, input_tensor):
@@ -71,7 +105,7 @@ def _stage_model(config, first, last, seed, vp_stage):
         def forward(self, x):
             h = x.unsqueeze(0) if self.pre_process else self.input_tensor  # [seq 1, mbs, hidden]
             h = torch.tanh(self.fc(h))
-            h = h + torch.tanh(self.expert(h))
+            h = h + (self.moe(h)[0] if config.num_moe_experts else torch.tanh(self.expert(h)))
             return self.head(h[0]) if self.post_process else h
 
     torch.manual_seed(seed)
@@ -111,7 +145,9 @@ def _batches(seed, device, dp_rank, count=None):
 class PPTrainer:
     """Model chunks (one per virtual stage) in DDP, optimizer, scheduler and global args."""
 
-    def __init__(self, ctx, dtype, overlap, distopt, acc, vpp=1, opg=False, opt_kwargs=None):
+    def __init__(
+        self, ctx, dtype, overlap, distopt, acc, vpp=1, opg=False, opt_kwargs=None, moe=False
+    ):
         from megatron.core import parallel_state as ps
         from megatron.core import rerun_state_machine
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -129,6 +165,7 @@ class PPTrainer:
             num_layers=pp * vpp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            **(_moe_fields(ps.get_expert_model_parallel_world_size()) if moe else {}),
         )
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=overlap,
@@ -221,6 +258,19 @@ class PPTrainer:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 W._sha(h, buffer.grad_data)
         out['grad_buffers'] = h.hexdigest()[:16]
+        h = hashlib.sha256()  # module buffers: the MoE router's expert bias and token counts
+        for chunk in self.model:
+            for _, buffer in torch.nn.Module.named_buffers(chunk):
+                W._sha(h, buffer)
+        out['module_buffers'] = h.hexdigest()[:16]
+        biases = [
+            b
+            for chunk in self.model
+            for name, b in torch.nn.Module.named_buffers(chunk)
+            if name.endswith('expert_bias')
+        ]
+        if biases:  # finalize_model_grads moves it after every step
+            out['expert_bias_nonzero'] = [bool(b.any()) for b in biases]
         out['calibration'] = [
             [group.is_first_batch, len(group.golden_per_param_grad_ready_counts)]
             for chunk in self.model
@@ -312,7 +362,13 @@ def scenario_exactness(ctx, combos, warmup_steps=2, real_steps=3):
         for arm in ('none', 'fork'):
             layout = _layout(ctx, pp, ep, vpp)
             t = PPTrainer(
-                ctx, combo['dtype'], combo['overlap'], combo['distopt'], combo['acc'], vpp
+                ctx,
+                combo['dtype'],
+                combo['overlap'],
+                combo['distopt'],
+                combo['acc'],
+                vpp,
+                moe=combo.get('moe', False),
             )
             W._seed_all()
             res = {'layout': layout}
