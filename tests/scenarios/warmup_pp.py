@@ -45,13 +45,12 @@ def _live_state(state):
 
 
 def _moe_layer(config):
-    """Upstream's MoELayer from the local GPT layer spec (a partial on 0.19, a ModuleSpec before)."""
+    """Upstream's MoELayer from the local GPT layer spec (its MoE entry is a partial on 0.18.2,
+    0.19.2 and dev)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    mlp = spec.submodules.mlp
-    return mlp(config=config) if callable(mlp) else build_module(mlp, config=config)
+    return spec.submodules.mlp(config=config)
 
 
 def _moe_fields(ep):
