@@ -132,6 +132,19 @@ def test_reset_restores_calibration_on_fork(ws, name, groups):
 
 
 @pytest.mark.parametrize('ws', WS)
+def test_reset_keeps_golden_counts_when_asked(ws):
+    for res in _ok(_world(FORK, ws)['restore_many']):
+        assert res['kept_result'] == [0] * len(res['kept'])
+        for recalibrated, kept, stepped in zip(
+            res['recalibrated'], res['kept'], res['after_kept_step']
+        ):
+            assert kept['golden'] == recalibrated['golden'] and not kept['is_first_batch']
+            assert kept['counts'] == [] and kept['is_last_microbatch']
+            assert not kept['handle_outstanding'] and not kept['grad_reduce_finished']
+            assert stepped['golden'] == recalibrated['golden'] and not stepped['is_first_batch']
+
+
+@pytest.mark.parametrize('ws', WS)
 def test_pristine_has_no_reset_api(ws):
     world = _world(PRISTINE, ws)
     for name in ('restore', 'warm_reset', 'gather_drain', 'copyback'):

@@ -193,7 +193,8 @@ def scenario_reset_restores_calibration(ctx, bucket_size=None):
     """Calibrate, train a step, reset: every group (dense and expert) is back to constructor state.
 
     A second reset inside a no_sync() window checks is_last_microbatch is re-armed, and the next
-    step recalibrates to the same golden counts.
+    step recalibrates to the same golden counts. A reset with keep_golden_counts=True in between
+    keeps those counts, and the step after it runs on them without recalibrating.
     """
     ddp = _build(ctx, bucket_size=bucket_size)
     norms = [_step(ddp, ctx, 0), _step(ddp, ctx, 1)]
@@ -203,6 +204,10 @@ def scenario_reset_restores_calibration(ctx, bucket_size=None):
     norms.append(_step(ddp, ctx, 2))
     norms.append(_step(ddp, ctx, 3))
     recalibrated = [_state(g) for g in _groups(ddp)]
+    kept_result = [g.reset_grad_ready_calibration(keep_golden_counts=True) for g in _groups(ddp)]
+    kept = [_state(g) for g in _groups(ddp)]
+    norms.append(_step(ddp, ctx, 4))
+    after_kept_step = [_state(g) for g in _groups(ddp)]
     with ddp.no_sync():
         in_no_sync = ddp.reset_grad_ready_calibration()
         last_mb_after_reset = [g.is_last_microbatch for g in _groups(ddp)]
@@ -215,6 +220,9 @@ def scenario_reset_restores_calibration(ctx, bucket_size=None):
         'before': before,
         'after': after,
         'recalibrated': recalibrated,
+        'kept_result': kept_result,
+        'kept': kept,
+        'after_kept_step': after_kept_step,
         'in_no_sync_result': list(in_no_sync),
         'last_mb_after_reset': last_mb_after_reset,
         'norms': norms,

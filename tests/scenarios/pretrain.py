@@ -269,7 +269,7 @@ def _recorders(out):
         with contextlib.suppress(ImportError):
             from megatron.training import warmup
         if warmup is not None:
-            original_run = warmup.run_warmup
+            original_run = training.run_warmup
 
             original_step = training.train_step
             real_steps = []
@@ -284,9 +284,7 @@ def _recorders(out):
             def run_warmup(*a, **kw):
                 from megatron.training.global_vars import get_timers
 
-                num_steps = kw['num_steps'] if 'num_steps' in kw else a[4]
                 call = {
-                    'steps': num_steps,
                     'inside_train': out['inside_train'],
                     'real_train_steps_before': len(real_steps),
                     # train() creates its interval timer after the warmup hook.
@@ -294,12 +292,14 @@ def _recorders(out):
                 }
                 out['warmup_calls'].append(call)
                 try:
-                    return original_run(*a, **kw)
+                    report = original_run(*a, **kw)
+                    call['steps'] = len(report.losses)  # the steps that ran
+                    return report
                 finally:
                     call['done'] = True
 
             stack.enter_context(_patched(training, 'train_step', train_step))
-            stack.enter_context(_patched(warmup, 'run_warmup', run_warmup))
+            stack.enter_context(_patched(training, 'run_warmup', run_warmup))
         yield
 
 

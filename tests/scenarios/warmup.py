@@ -10,7 +10,7 @@ Arms:
         boundary leaves it (optionally with finalize_model_grads installed), no restore. Works on
         any tree and reproduces the upstream DDP assertions at the first real step.
     fork: megatron.training.warmup.run_warmup, or (path 'train') the hook train() calls at its
-        start, run_warmup_train_steps().
+        start, run_warmup().
     none: no warmup (the reference for bitwise exactness).
 """
 
@@ -157,6 +157,12 @@ def _real_iterator(trainer, step, accumulation):
         yield x.to(trainer.ctx.device), y.to(trainer.ctx.device)
 
 
+def _as_train_step_takes(iterator):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    return RerunDataIterator(iterator)
+
+
 def _synthetic_iterator(device):
     g = torch.Generator().manual_seed(777)
     while True:
@@ -274,8 +280,8 @@ def _hooks(trainer):
 class _RealRun:
     """train()'s set-up and loop around the real train_step (callbacks, pre-hook toggling).
 
-    With ``warmup_steps``, the warmup runs first through run_warmup_train_steps(), the hook train()
-    calls at its start.
+    With ``warmup_steps``, the warmup runs first through run_warmup(), as train() calls it at its
+    start.
     """
 
     def __init__(self, trainer, scheduler, args, accumulation, first_step=0, warmup_steps=0):
@@ -285,7 +291,7 @@ class _RealRun:
         self.t, self.s, self.args, self.acc = trainer, scheduler, args, accumulation
         config, model = trainer.config, trainer.model
         if warmup_steps:
-            from megatron.training.warmup import run_warmup_train_steps
+            from megatron.training.warmup import run_warmup
 
             def forward_step(data_iterator, model):
                 return _forward_step(data_iterator, model)
@@ -293,7 +299,7 @@ class _RealRun:
             forward_step.warmup_batch_iterator = lambda _: _synthetic_iterator(trainer.ctx.device)
             args.warmup_train_steps = warmup_steps
             try:
-                self.warmup = run_warmup_train_steps(
+                self.warmup = run_warmup(
                     forward_step, [model], trainer.optimizer, scheduler, config
                 )
             finally:
@@ -402,13 +408,13 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             report = run_warmup(
+                _forward_step,
                 [trainer.model],
                 trainer.optimizer,
                 scheduler,
                 trainer.config,
                 warmup_steps,
-                _forward_step,
-                data_iterator=_synthetic_iterator(ctx.device),
+                data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
                 args=args,
             )
         out['log'] = [line for line in buf.getvalue().splitlines() if line.startswith('[warmup]')]
@@ -504,13 +510,13 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             elapsed = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
             with contextlib.redirect_stdout(io.StringIO()), broken, recorder:
                 report = run_warmup(
+                    _forward_step,
                     [trainer.model],
                     trainer.optimizer,
                     scheduler,
                     trainer.config,
                     warmup_steps,
-                    _forward_step,
-                    data_iterator=_synthetic_iterator(ctx.device),
+                    data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
                     args=args,
                 )
             res['host_staging_bytes'] = report.host_staging_bytes
@@ -617,7 +623,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
         res = {}
         if arm == 'fault':
             calls = {'n': 0}
-            synthetic = _synthetic_iterator(ctx.device)
+            synthetic = _as_train_step_takes(_synthetic_iterator(ctx.device))
 
             def failing(data_iterator, model):
                 calls['n'] += 1
@@ -634,12 +640,12 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
                     _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
                 ):
                     run_warmup(
+                        failing,
                         [trainer.model],
                         trainer.optimizer,
                         scheduler,
                         trainer.config,
                         3,
-                        failing,
                         data_iterator=synthetic,
                         args=args,
                     )
@@ -743,15 +749,7 @@ def scenario_bad_input(ctx):
     check('supported')
     for name, kwargs in {'negative': {'num_steps': -1}, 'float': {'num_steps': 1.5}}.items():
         try:
-            run_warmup(
-                model,
-                optimizer,
-                scheduler,
-                config,
-                forward_step_func=_forward_step,
-                args=args,
-                **kwargs,
-            )
+            run_warmup(_forward_step, model, optimizer, scheduler, config, args=args, **kwargs)
             errors[name] = None
         except ValueError as exc:
             errors[name] = f'{type(exc).__name__}: {exc}'

@@ -204,7 +204,7 @@ class PPTrainer:
 
     def iterators(self, make):
         """Per-chunk iterators as pretrain() builds them: first and last stage only (the warmup
-        builds its own with warmup.stage_batches, which a pristine tree lacks)."""
+        builds its own in run_warmup, which a pristine tree lacks)."""
         from megatron.core import parallel_state as ps
 
         pp, rank = (
@@ -315,22 +315,28 @@ class PPTrainer:
         return losses
 
     def warmup(self, steps, forward_step=_forward_step, **kwargs):
-        from megatron.training.warmup import run_warmup, stage_batches
+        from megatron.training import training
+        from megatron.training.warmup import run_warmup
 
-        make = lambda: _batches(777, self.ctx.device, 0)  # noqa: E731
-        data = stage_batches(self.model, self.config, self.args, make)
-        self.stages_with_batches = [
-            i for i, it in enumerate(data if isinstance(data, list) else [data]) if it is not None
-        ]
+        def forward(data_iterator, model):
+            return forward_step(data_iterator, model)
+
+        forward.warmup_batch_iterator = lambda _: _batches(777, self.ctx.device, 0)
+
+        def step(*a, **kw):  # records which chunks the warmup gave a data iterator
+            data = a[1] if isinstance(a[1], list) else [a[1]]
+            self.stages_with_batches = [i for i, it in enumerate(data) if it is not None]
+            return training.train_step(*a, **kw)
+
         with contextlib.redirect_stdout(io.StringIO()):
             return run_warmup(
+                forward,
                 self.model,
                 self.optimizer,
                 self.scheduler,
                 self.config,
                 steps,
-                forward_step,
-                data_iterator=data,
+                step_fn=step,
                 args=self.args,
                 **kwargs,
             )

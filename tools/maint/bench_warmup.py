@@ -278,12 +278,12 @@ def run_worker(spec):
         warm_iter = _synthetic_batches(cfg, cfg['seed'] + 9973, device)
         t0 = time.perf_counter()
         report = run_warmup(
+            _forward_step,
             chunks,
             optimizer,
             scheduler,
             config,
             cfg['warmup_steps'],
-            _forward_step,
             data_iterator=warm_iter,
             step_fn=step_fn,
             args=args,

@@ -8,8 +8,12 @@ their ratios, the peak allocated memory (the largest "max allocated" that report
 it covers the warmup, which runs before the first iteration), and whether every iteration's lm
 loss equals the "none" arm of the same model and repeat. "noise" is the share of iterations 3-30
 of the same run that are themselves more than 5 % above that run's steady median: how often an
-iteration with no one-time cost at all misses a 1.05 bound. A summary line per model and arm gives
-the median and the largest ratio over the repeats.
+iteration with no one-time cost at all misses a 1.05 bound. "rank" is the share of the steady
+iterations 5-30 that are faster than iteration 1 (and 2): an iteration at steady state ranks about
+0.5 on average over many runs, one with a one-time cost near 1.0. A summary line per model and arm
+gives the median and the largest ratio over the repeats, and the mean rank. A "control" line per
+model gives the same for iterations 3 and 4 of the "none" arm: its first iterations after its own
+one-time costs, i.e. what a first iteration without any one-time cost reads on the same machine.
 """
 
 import gzip
@@ -43,9 +47,9 @@ def main(log_dir: str) -> int:
     logs = {p.name.split('.')[0]: parse(p) for p in paths}
     print(
         '| model | arm | repeat | 1st ms | 2nd ms | steady ms (median 5-30) | 1st / steady '
-        '| 2nd / steady | noise | peak alloc MB | losses = none |'
+        '| 2nd / steady | noise | rank 1st, 2nd | peak alloc MB | losses = none |'
     )
-    print('|---|---|---|---|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|')
     status, ratios = 0, {}
     for name, run in logs.items():
         model, arm, rep = name.split('-')
@@ -59,21 +63,31 @@ def main(log_dir: str) -> int:
         none = logs.get(f'{model}-none-{rep}', {}).get('losses')
         same = 'yes' if run['losses'] == none else 'NO'
         first, second = times[1] / steady, times[2] / steady
-        ratios.setdefault((model, arm), []).append((first, second))
+        ranks = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (1, 2)]
+        ratios.setdefault((model, arm), []).append((first, second, *ranks))
+        if arm == 'none':
+            ranks = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (3, 4)]
+            control = (times[3] / steady, times[4] / steady, *ranks)
+            ratios.setdefault((model, 'control'), []).append(control)
         print(
             f'| {model} | {arm} | {rep} | {times[1]:.1f} | {times[2]:.1f} | {steady:.1f} '
-            f'| {first:.2f} | {second:.2f} | {noise:.0%} | {run["peak"]} | {same} |'
+            f'| {first:.2f} | {second:.2f} | {noise:.0%} | {ranks[0]:.2f}, {ranks[1]:.2f} '
+            f'| {run["peak"]} | {same} |'
         )
     print()
     for (model, arm), pairs in ratios.items():
         summary = []
-        for label, values in zip(('1st', '2nd'), zip(*pairs)):
+        columns = list(zip(*pairs))
+        labels = ('3rd', '4th') if arm == 'control' else ('1st', '2nd')
+        for label, values, ranks in zip(labels, columns[:2], columns[2:]):
             within = sum(v <= 1.05 for v in values)
             summary.append(
                 f'{label}/steady median {statistics.median(values):.2f}, '
-                f'max {max(values):.2f}, <= 1.05 in {within} of {len(values)}'
+                f'max {max(values):.2f}, <= 1.05 in {within} of {len(values)}, '
+                f'mean rank {statistics.mean(ranks):.2f}'
             )
-        print(f'- {model} {arm}: ' + '; '.join(summary))
+        name = f'{model} control (none arm)' if arm == 'control' else f'{model} {arm}'
+        print(f'- {name}: ' + '; '.join(summary))
     return status
 
 

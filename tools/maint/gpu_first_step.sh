@@ -8,7 +8,7 @@
 # archive, never committed). Two models (small: 4 layers / 512 / seq 1024; large: 12 layers /
 # 2048 / seq 2048), accumulation 2, bf16, distributed optimizer, overlap_grad_reduce, 30
 # iterations, arms "none" and "warmup2" (--warmup-train-steps 2), REPEATS times each (default 2);
-# MODELS="small" or "large" runs one model only; EXTRA="--timing-log-level 2" adds arguments to
+# MODELS="small" or "large" runs one model only; ARMS="warmup2" runs one arm only; EXTRA="--timing-log-level 2" adds arguments to
 # every run; TAG names the logs; PROBE=1 runs tools/maint/first_step_probe.py (live allocations
 # before the first real step, into $out/<model>-<arm>-<TAG><rep>.probe.json) instead of
 # pretrain_gpt.py itself.
@@ -33,7 +33,7 @@ large=(--num-layers 12 --hidden-size 2048 --num-attention-heads 16 --seq-length 
 
 for rep in $(seq 1 "$repeats"); do
   for model in ${MODELS:-small large}; do
-    for arm in none warmup2; do
+    for arm in ${ARMS:-none warmup2}; do
       declare -n shape=$model
       extra=()
       [ "$arm" = warmup2 ] && extra=(--warmup-train-steps 2)
