@@ -60,7 +60,9 @@ def main(log_dir: str) -> int:
             continue
         steady = statistics.median(times[i] for i in range(5, 31))
         noise = sum(times[i] > 1.05 * steady for i in range(3, 31)) / 28
-        none = logs.get(f'{model}-none-{rep}', {}).get('losses')
+        # The same repeat's "none" run, else any "none" run of the model (losses are seeded).
+        nones = [v for k, v in logs.items() if k.startswith(f'{model}-none-')]
+        none = logs.get(f'{model}-none-{rep}', nones[0] if nones else {}).get('losses')
         same = 'yes' if run['losses'] == none else 'NO'
         first, second = times[1] / steady, times[2] / steady
         ranks = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (1, 2)]
