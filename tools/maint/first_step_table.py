@@ -68,8 +68,8 @@ def main(log_dir: str) -> int:
         ranks = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (1, 2)]
         ratios.setdefault((model, arm), []).append((first, second, *ranks))
         if arm == 'none':
-            ranks = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (3, 4)]
-            control = (times[3] / steady, times[4] / steady, *ranks)
+            early = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (3, 4)]
+            control = (times[3] / steady, times[4] / steady, *early)
             ratios.setdefault((model, 'control'), []).append(control)
         print(
             f'| {model} | {arm} | {rep} | {times[1]:.1f} | {times[2]:.1f} | {steady:.1f} '
