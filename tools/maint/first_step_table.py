@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Table of first/second real iteration against steady state from gpu_first_step.sh logs.
 
-    python3 tools/maint/first_step_table.py LOG_DIR
+    python3 tools/maint/first_step_table.py LOG_DIR [LOG_DIR ...]
 
 Per log: iterations 1 and 2 and the median of iterations 5-30 ("elapsed time per iteration"),
 their ratios, the peak allocated memory (the largest "max allocated" that report_memory prints;
@@ -11,9 +11,10 @@ of the same run that are themselves more than 5 % above that run's steady median
 iteration with no one-time cost at all misses a 1.05 bound. "rank" is the share of the steady
 iterations 5-30 that are faster than iteration 1 (and 2): an iteration at steady state ranks about
 0.5 on average over many runs, one with a one-time cost near 1.0. A summary line per model and arm
-gives the median and the largest ratio over the repeats, and the mean rank. A "control" line per
-model gives the same for iterations 3 and 4 of the "none" arm: its first iterations after its own
-one-time costs, i.e. what a first iteration without any one-time cost reads on the same machine.
+gives the median, the smallest and the largest ratio over the repeats, and the mean rank. A
+"control" line per model gives the same for iterations 3 and 4 of the "none" arm: its first
+iterations after its own one-time costs, i.e. what a first iteration without any one-time cost
+reads on the same machine. Several LOG_DIRs pool their runs into one table.
 """
 
 import gzip
@@ -41,10 +42,15 @@ def parse(path: pathlib.Path) -> dict:
     return {'times': times, 'losses': losses, 'peak': max(peaks) if peaks else None}
 
 
-def main(log_dir: str) -> int:
-    """Print the markdown table; exit 1 when a log has no iterations."""
-    paths = sorted(pathlib.Path(log_dir).glob('*.log*'))
-    logs = {p.name.split('.')[0]: parse(p) for p in paths}
+def main(*log_dirs: str) -> int:
+    """Print the markdown table; exit 1 when a log has no iterations. With several directories
+    the repeats are pooled, each named after its directory (run5/small-none-a1 -> run5a1)."""
+    logs = {}
+    for log_dir in log_dirs:
+        prefix = pathlib.Path(log_dir).name.replace('-', '') if len(log_dirs) > 1 else ''
+        for path in sorted(pathlib.Path(log_dir).glob('*.log*')):
+            model, arm, rep = path.name.split('.')[0].split('-')
+            logs[f'{model}-{arm}-{prefix}{rep}'] = parse(path)
     print(
         '| model | arm | repeat | 1st ms | 2nd ms | steady ms (median 5-30) | 1st / steady '
         '| 2nd / steady | noise | rank 1st, 2nd | peak alloc MB | losses = none |'
@@ -85,7 +91,7 @@ def main(log_dir: str) -> int:
             within = sum(v <= 1.05 for v in values)
             summary.append(
                 f'{label}/steady median {statistics.median(values):.2f}, '
-                f'max {max(values):.2f}, <= 1.05 in {within} of {len(values)}, '
+                f'range {min(values):.2f}-{max(values):.2f}, <= 1.05 in {within} of {len(values)}, '
                 f'mean rank {statistics.mean(ranks):.2f}'
             )
         name = f'{model} control (none arm)' if arm == 'control' else f'{model} {arm}'
@@ -94,4 +100,4 @@ def main(log_dir: str) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))
