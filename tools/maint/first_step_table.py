@@ -42,13 +42,21 @@ def parse(path: pathlib.Path) -> dict:
     return {'times': times, 'losses': losses, 'peak': max(peaks) if peaks else None}
 
 
+def rank(times: dict, n: int) -> float:
+    """Share of the steady iterations 5-30 that are faster than iteration ``n``."""
+    return sum(times[i] < times[n] for i in range(5, 31)) / 26
+
+
 def main(*log_dirs: str) -> int:
     """Print the markdown table; exit 1 when a log has no iterations. With several directories
     the repeats are pooled, each named after its directory (run5/small-none-a1 -> run5a1)."""
     logs = {}
     for log_dir in log_dirs:
         prefix = pathlib.Path(log_dir).name.replace('-', '') if len(log_dirs) > 1 else ''
-        for path in sorted(pathlib.Path(log_dir).glob('*.log*')):
+        paths = sorted(pathlib.Path(log_dir).glob('*.log*'))
+        if not paths:
+            sys.exit(f'first_step_table.py: no *.log or *.log.gz files in {log_dir}')
+        for path in paths:
             model, arm, rep = path.name.split('.')[0].split('-')
             logs[f'{model}-{arm}-{prefix}{rep}'] = parse(path)
     print(
@@ -71,11 +79,10 @@ def main(*log_dirs: str) -> int:
         none = logs.get(f'{model}-none-{rep}', nones[0] if nones else {}).get('losses')
         same = 'yes' if run['losses'] == none else 'NO'
         first, second = times[1] / steady, times[2] / steady
-        ranks = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (1, 2)]
+        ranks = [rank(times, 1), rank(times, 2)]
         ratios.setdefault((model, arm), []).append((first, second, *ranks))
         if arm == 'none':
-            early = [sum(times[i] < times[n] for i in range(5, 31)) / 26 for n in (3, 4)]
-            control = (times[3] / steady, times[4] / steady, *early)
+            control = (times[3] / steady, times[4] / steady, rank(times, 3), rank(times, 4))
             ratios.setdefault((model, 'control'), []).append(control)
         print(
             f'| {model} | {arm} | {rep} | {times[1]:.1f} | {times[2]:.1f} | {steady:.1f} '
@@ -100,4 +107,6 @@ def main(*log_dirs: str) -> int:
 
 
 if __name__ == '__main__':
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
     sys.exit(main(*sys.argv[1:]))
