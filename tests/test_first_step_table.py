@@ -22,10 +22,7 @@ def table(*dirs):
 
 @pytest.mark.parametrize(
     'dirs, expected',
-    [
-        (['run5'], 'run5/table.md'),
-        (['run3', 'run4-final', 'run5'], 'pooled-run3-run4-run5.md'),
-    ],
+    [(['run5'], 'run5/table.md'), (['run3', 'run4-final', 'run5'], 'pooled-run3-run4-run5.md')],
 )
 def test_committed_table_matches_the_logs(dirs, expected):
     assert table(*(RESULTS / d for d in dirs)) == (RESULTS / expected).read_text()
