@@ -12,11 +12,13 @@ tooling) ships alongside, with a manifest of the base, its hashes and the applie
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
+from setuptools.command.build import build
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -73,6 +75,24 @@ VERSION_LINE = (
 )
 
 
+class CleanBuildPerBase(build):
+    """``build`` in ``build/dist/<base>/``, emptied first: a wheel holds only this build's files.
+
+    setuptools reuses ``build/lib.*`` between builds and never removes what a previous build put
+    there, so a build after another base's shipped that base's extra modules.
+    """
+
+    def initialize_options(self):
+        """Default the build directory to this base's own."""
+        super().initialize_options()
+        self.build_base = str(WS.dist_build_dir(BASE))
+
+    def run(self):
+        """Remove what any earlier build left, then build."""
+        shutil.rmtree(self.build_lib, ignore_errors=True)
+        super().run()
+
+
 class BuildPyWithManifest(build_py):
     """build_py that pins ``__version__`` and writes megatron_fork/manifest.json."""
 
@@ -125,7 +145,7 @@ setup(
     package_dir={"megatron_fork": "tools/megatron_fork"},
     package_data=package_data(),
     ext_modules=ext_modules,
-    cmdclass={"build_py": BuildPyWithManifest},
+    cmdclass={"build": CleanBuildPerBase, "build_py": BuildPyWithManifest},
     install_requires=REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["megatron-fork-verify=megatron_fork.manifest:main_verify"]},

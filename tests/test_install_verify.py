@@ -108,3 +108,58 @@ def test_verify_names_modified_missing_and_test_only_files(installed, tmp_path):
     assert "modified megatron/core/distributed/param_and_grad_buffer.py" in proc.stdout
     assert "missing megatron/core/package_info.py" in proc.stdout
     assert "test-only code shipped: megatron/core/cpu_redirect.py" in proc.stdout
+
+
+def _site_copy(installed, site):
+    """Copy the installed fork (its packages, tooling and dist-info) into the folder ``site``."""
+    shutil.copytree(installed / "megatron_fork", site / "megatron_fork")
+    shutil.copytree(
+        installed / "megatron",
+        site / "megatron",
+        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
+    )
+    for info in installed.glob("megatron_core-*.dist-info"):
+        shutil.copytree(info, site / info.name)
+    return site
+
+
+def _sibling_wheel(tmp_path):
+    """Build a wheel of a distribution that adds ``megatron/sibling`` to the namespace."""
+    src = tmp_path / "sibling-src"
+    (src / "megatron" / "sibling").mkdir(parents=True)
+    (src / "megatron" / "sibling" / "__init__.py").write_text("NAME = 'sibling'\n")
+    (src / "setup.py").write_text(
+        "from setuptools import find_namespace_packages, setup\n"
+        "setup(name='megatron-sibling', version='1.2.3',\n"
+        "      packages=find_namespace_packages(include=['megatron.sibling*']))\n"
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "dist"), str(src)],
+        check=True,
+    )  # fmt: skip
+    return next((tmp_path / "dist").glob("megatron_sibling-*.whl"))
+
+
+def test_verify_leaves_sibling_namespace_distributions_alone(installed, tmp_path):
+    # Megatron-Bridge, megatron-energon and others install into the same `megatron` namespace.
+    # pip --target refuses to merge into an existing megatron/, so the sibling is installed into
+    # its own target and laid over the copy of the fork's site, as one site-packages holds both.
+    site = _site_copy(installed, tmp_path / "site")
+    target = tmp_path / "sibling-target"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+         str(_sibling_wheel(tmp_path))],
+        check=True,
+    )  # fmt: skip
+    shutil.copytree(target, site, dirs_exist_ok=True)
+    assert (site / "megatron" / "sibling" / "__init__.py").is_file()
+    manifest = str(site / "megatron_fork" / "manifest.json")
+    proc = verify(env={"PYTHONPATH": str(site)}, args=("--manifest", manifest))
+    assert proc.returncode == 0, proc.stdout
+    assert "verify: OK" in proc.stdout and "unexpected" not in proc.stdout
+    assert "not checked): megatron-sibling 1.2.3 (megatron/sibling)" in proc.stdout
+    # What the fork owns is still checked: a stray module inside megatron/core is reported.
+    (site / "megatron" / "core" / "stray.py").write_text("# not shipped by the fork\n")
+    proc = verify(env={"PYTHONPATH": str(site)}, args=("--manifest", manifest))
+    assert proc.returncode == 1 and "unexpected megatron/core/stray.py" in proc.stdout

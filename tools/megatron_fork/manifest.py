@@ -13,6 +13,10 @@ from .upstream import sha256_file
 MANIFEST_NAME = "manifest.json"
 # Names that only the test suite's CUDA-on-CPU redirect uses; none may ever ship.
 TEST_ONLY_MARKERS = ("cpu_redirect", "tests/harness")
+# The parts of the ``megatron`` namespace that the fork ships (as upstream megatron-core does).
+# Everything else under ``megatron/`` belongs to sibling distributions (Megatron-Bridge,
+# megatron-energon, ...) that share the namespace; verify lists those and leaves them alone.
+OWNED_PACKAGES = ("megatron/core/", "megatron/training/")
 
 
 def build_manifest(lib_root, pin, base_name, patches, fork_version):
@@ -126,7 +130,11 @@ def verify(manifest_path=None, do_import=False):
             bad.append(f"missing {rel}")
         elif sha256_file(path) != digest:
             bad.append(f"modified {rel}")
-    shipped = {p.relative_to(root).as_posix() for p in root.glob("megatron/**/*.py")}
+    shipped = {
+        rel
+        for rel in (p.relative_to(root).as_posix() for p in root.glob("megatron/**/*.py"))
+        if rel.startswith(OWNED_PACKAGES)
+    }
     extra = sorted(shipped - set(manifest["files"]))
     bad += [f"unexpected {rel}" for rel in extra]
     leaked = [rel for rel in shipped if any(m in rel for m in TEST_ONLY_MARKERS)]
@@ -144,6 +152,12 @@ def verify(manifest_path=None, do_import=False):
         f"base megatron-core {base['name']} ({origin}), {len(manifest['files'])} files checked, "
         f"{len(manifest['patches'])} patches: " + ", ".join(p["name"] for p in manifest["patches"])
     )
+    siblings = sibling_distributions(root)
+    if siblings:
+        report.append(
+            "beside the fork in the megatron namespace (not checked): "
+            + ", ".join(f"{name} {ver} ({', '.join(pkgs)})" for name, ver, pkgs in siblings)
+        )
     if do_import:
         try:
             import megatron.core  # noqa: F401  pylint: disable=import-outside-toplevel
@@ -155,6 +169,29 @@ def verify(manifest_path=None, do_import=False):
             report.append(f"import failed: {type(exc).__name__}: {exc}")
     report.append("verify: OK" if ok else "verify: FAILED")
     return ok, report
+
+
+def sibling_distributions(root):
+    """Return (name, version, packages) of other installed distributions under ``megatron/``.
+
+    Args:
+        root: the site directory that holds the fork's ``megatron/``.
+    """
+    found = []
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        name = dist.metadata["Name"]
+        if name is None or name.lower().replace("_", "-") == "megatron-core":
+            continue
+        pkgs = sorted(
+            {
+                "/".join(f.parts[:2])
+                for f in dist.files or []
+                if len(f.parts) > 2 and f.parts[0] == "megatron"
+            }
+        )
+        if pkgs:
+            found.append((name, dist.version, pkgs))
+    return sorted(found)
 
 
 def verify_parser(prog="megatron-fork-verify"):

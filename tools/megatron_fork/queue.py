@@ -92,6 +92,10 @@ class Workspace:
         path = self.pq / BASE_FILE
         return path.read_text().strip() if path.is_file() else None
 
+    def dist_build_dir(self, base):
+        """The setuptools build directory of ``base`` (setup.py empties it before a build)."""
+        return self.build / "dist" / base
+
     def patch_dir(self, base=None):
         """The series directory of ``base`` (default: the materialized one)."""
         base = base or self.base()

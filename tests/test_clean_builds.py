@@ -1,0 +1,85 @@
+"""Builds of two bases in sequence: each wheel holds exactly its base's files.
+
+setuptools reuses its build directory between builds and never removes a file from it, so a
+0.19.2 build after a 0.18.2 build once shipped 0.18.2's extra modules (and the other way round).
+The test copies the checkout, builds the 0.18.2 wheel, then the 0.19.2 wheel, then 0.18.2 again
+in the same copy, and compares each wheel's ``megatron/`` with the pinned upstream wheel's plus
+the files its series adds.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from megatron_fork import series, upstream  # noqa: E402  pylint: disable=C0413
+
+PIN = upstream.load_pin()
+RELEASES = [b for b in PIN["maintained"] if not upstream.is_git_base(PIN, b)]
+
+
+def _megatron_files(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        return {n for n in zf.namelist() if n.startswith("megatron/") and not n.endswith("/")}
+
+
+def _added_by_series(base):
+    """The files that ``patches/<base>/series`` creates or deletes."""
+    added, deleted = set(), set()
+    for patch in series.load_series(series.series_dir(base)):
+        text = patch.path.read_text()
+        for path, mode in re.findall(
+            r"^diff --git a/\S+ b/(\S+)\n(new|deleted) file mode", text, re.M
+        ):
+            (added if mode == "new" else deleted).add(path)
+    return {p for p in added if p.startswith("megatron/")}, deleted
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """A copy of the checkout's tracked and untracked (not ignored) files."""
+    dest = tmp_path_factory.mktemp("clean-builds") / "repo"
+    files = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for rel in filter(None, (f.decode() for f in files)):
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    return dest
+
+
+def _build(checkout, base, out):
+    for cmd in (
+        [sys.executable, "tools/fork.py", "materialize", "--base", base],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "-w", str(out), "."],
+    ):  # fmt: skip
+        proc = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    [wheel] = out.glob("megatron_core-*.whl")
+    return wheel
+
+
+@pytest.mark.skipif(len(RELEASES) < 2, reason="needs two maintained releases")
+def test_each_wheel_holds_exactly_its_bases_files(checkout, tmp_path):
+    order = [RELEASES[1], RELEASES[0], RELEASES[1]]  # older, newer, older again
+    for i, base in enumerate(order):
+        wheel = _build(checkout, base, tmp_path / f"out{i}")
+        pristine = upstream.fetch_wheel(PIN, base)
+        added, deleted = _added_by_series(base)
+        expected = (_megatron_files(pristine) - deleted) | added
+        got = _megatron_files(wheel)
+        assert got == expected, (
+            f"build {i} ({base}, after {order[:i]}): "
+            f"extra {sorted(got - expected)[:8]}, missing {sorted(expected - got)[:8]}"
+        )
