@@ -5,12 +5,14 @@ is 0.18.2 (series in patches/0.18.2/), with the real pinned megatron-core 0.18.2
 shared cache (fetched once per session).
 """
 
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -779,3 +781,193 @@ def test_patch_adding_an_upstream_layout_test_is_tracked_by_the_queue(sandbox):
     assert proc.returncode == 0, proc.stderr
     assert not (sandbox / "tests" / "unit_tests").exists()
     assert "overlap_grad_reduce: bool = False" in (sandbox / TARGET).read_text()
+
+
+# Each error is one line that names the base, the patch, the file and the next thing to try,
+# with its documented exit code (README, "Exit codes").
+
+
+def _one_line(proc):
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_a_file_missing_from_the_tree_is_named(sandbox):
+    # 0008 on 0.17.1 (and on Primus's pin) patches megatron/training/utils/common_utils.py, which
+    # those trees lack; the message used to say "file ?".
+    text = make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    missing = "megatron/training/not_in_this_tree.py"
+    (series_dir(sandbox) / "0001-a.patch").write_text(
+        text.replace("megatron/core/distributed/distributed_data_parallel_config.py", missing)
+    )
+    add_to_series(sandbox, "0001-a.patch")
+    before = tree_digest(sandbox)
+    proc = run(sandbox, "materialize")
+    line = _one_line(proc)
+    assert proc.returncode == 5, proc.stderr
+    assert f"file {missing}: does not exist in the tree" in line and "file ?" not in line
+    assert line.count("does not exist") == 1
+    assert tree_digest(sandbox) == before
+
+
+@pytest.mark.parametrize("entry", ["0001-a.patch", "fork/0001-a.patch"])
+def test_a_truncated_patch_is_named_with_its_base(sandbox, entry):
+    text = make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    (series_dir(sandbox) / "0001-a.patch").unlink()
+    (series_dir(sandbox) / entry).parent.mkdir(parents=True, exist_ok=True)
+    (series_dir(sandbox) / entry).write_text(text[: text.rindex("@@") + 40])
+    add_to_series(sandbox, entry)
+    proc = run(sandbox, "materialize")
+    assert proc.returncode == 5
+    assert f"patch patches/{BASE}/{entry}: truncated inside hunk" in _one_line(proc)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("materialize", "--base", "9.9.9"),
+        ("check", "--base", "9.9.9"),
+        ("status", "--base", "9.9.9"),
+        ("pristine", "9.9.9"),
+        ("fetch", "--base", "9.9.9"),
+    ],
+)
+def test_an_unknown_base_is_named_as_unknown(sandbox, args):
+    proc = run(sandbox, *args)
+    line = _one_line(proc)
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown base '9.9.9'" in line and "0.18.2" in line and "series" not in line
+
+
+def test_no_network_names_pips_reason_and_the_offline_routes(sandbox, tmp_path):
+    env = {
+        "MEGATRON_FORK_CACHE": str(tmp_path / "empty"),
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_FIND_LINKS": "",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "2",
+    }
+    proc = run(sandbox, "fetch", "--base", BASE, env=env)
+    line = _one_line(proc)
+    assert proc.returncode == 4, proc.stderr
+    assert line.startswith(f"error: could not download megatron-core {BASE} (ERROR: ")
+    assert "--offline --wheel-dir DIR" in line and f"fetch --base {BASE} --dest DIR" in line
+    assert "--git-repo PATH-TO-Megatron-LM (tag core_v0.18.2)" in line
+    reason = line.split(" (", 1)[1].split("); without network", 1)[0]
+    assert reason.endswith((" ...", ")")) or reason[-1].isalnum() or reason[-1] in ".'\"", reason
+
+
+def test_a_waiting_run_says_what_it_waits_for_at_once(sandbox):
+    lock = sandbox / "build" / ".materialize.lock"
+    with open(lock, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.write("pid 4242, since 12:00:00: tools/fork.py materialize --base 0.18.2\n")
+        handle.flush()
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, str(sandbox / "tools" / "fork.py"), "materialize", "--force"],
+            cwd=sandbox,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "MEGATRON_FORK_LOCK_WAIT": "20"},
+        )
+        first = proc.stderr.readline()
+        waited = time.monotonic() - t0
+        proc.kill()
+        proc.communicate()
+    assert waited < 15, waited
+    assert first.startswith(f"waiting for {lock}, held by pid 4242") and "exit 7" in first
+    proc = run(sandbox, "materialize", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert lock.read_text() == ""  # released: no stale holder is named later
+
+
+def test_the_lock_names_its_holder_when_it_gives_up(sandbox):
+    # The holder is a real run of the tool's lock (queue.locked), not a hand-made flock.
+    code = (
+        "import sys, time; sys.path.insert(0, 'tools')\n"
+        "from megatron_fork import queue\n"
+        "with queue.locked(queue.Workspace(sys.argv[1])):\n"
+        "    print('held', flush=True); time.sleep(60)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(sandbox)], cwd=sandbox, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = run(sandbox, "materialize", "--force", env={"MEGATRON_FORK_LOCK_WAIT": "1"})
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert proc.returncode == 7
+    assert f"(pid {holder.pid}, since " in proc.stderr
+    assert re.search(r"waited 1 s\); try again", proc.stderr)
+
+
+def test_check_without_a_checkout_does_not_pass_for_every_base(sandbox):
+    pin = sandbox / "patches" / "upstream.toml"
+    pin.write_text(
+        re.sub(r'(?m)^maintained = .*$', f'maintained = ["dev", "{BASE}"]', pin.read_text())
+    )
+    proc = run(sandbox, "check")
+    assert proc.returncode == 4, (proc.stdout, proc.stderr)
+    assert f"check {BASE}" in proc.stdout  # the release was checked
+    line = _one_line(proc)
+    assert "check dev: not checked" in line and "--git-repo PATH-TO-Megatron-LM" in line
+    assert run(sandbox, "check", "--base", BASE).returncode == 0
+
+
+def test_git_repo_cannot_build_a_wheel_that_no_ref_equals(sandbox, tmp_path):
+    # core_r0.19.0 is a branch at 0.19.1: no Megatron-LM ref equals the 0.19.2 wheel.
+    proc = run(
+        sandbox, "pristine", "0.19.2", "--git-repo", str(tmp_path), "--dest", str(tmp_path / "t")
+    )
+    line = _one_line(proc)
+    assert proc.returncode == 4, proc.stderr
+    assert (
+        "megatron-core 0.19.2: no Megatron-LM ref equals its wheel (nearest: core_r0.19.0" in line
+    )
+    assert "--offline --wheel-dir DIR" in line
+
+
+RELEASES = ["0.18.2", "0.19.2"]
+
+
+@pytest.mark.parametrize("base", RELEASES)
+def test_the_offline_wheel_kit_builds_every_release(sandbox, tmp_path, base):
+    kit = tmp_path / "kit"
+    assert run(sandbox, "fetch", "--base", base, "--dest", str(kit)).returncode == 0
+    env = {"MEGATRON_FORK_CACHE": str(tmp_path / "empty"), "PIP_INDEX_URL": "http://127.0.0.1:9/"}
+    dest = tmp_path / "tree"
+    proc = run(
+        sandbox,
+        "pristine",
+        base,
+        "--offline",
+        "--wheel-dir",
+        str(kit),
+        "--dest",
+        str(dest),
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "megatron" / "core" / "package_info.py").is_file()
+
+
+@pytest.mark.skipif(not os.environ.get("FORK_TEST_DEV_REPO"), reason="needs a Megatron-LM clone")
+def test_the_git_tag_of_0_18_2_equals_its_wheel(sandbox, tmp_path):
+    repo = os.environ["FORK_TEST_DEV_REPO"]
+    proc = run(sandbox, "pristine", "0.18.2", "--git-repo", repo, "--dest", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr

@@ -15,6 +15,7 @@
 #   --offline        no network: upstream from --wheel-dir or the cache; build deps must be present
 #   --no-torch       never install or reinstall torch (containers keep the image's torch)
 #   --test-deps      also install tools/requirements-test.txt (the CPU test suite)
+#   --print-python   print the interpreter the options select, and exit
 #
 # It materializes megatron/ (pinned upstream + patches/<base>/series) unless it is already
 # current, pip-installs the repo as megatron-core <base>+fork.<N>.g<series digest>, and runs
@@ -22,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-py="" venv=".venv" wheel_dir="" offline=0 torch=1 test_deps=0 base="" git_repo=""
+py="" venv=".venv" wheel_dir="" offline=0 torch=1 test_deps=0 base="" git_repo="" print_py=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --base) base="$2"; shift 2 ;;
@@ -34,7 +35,8 @@ while [ $# -gt 0 ]; do
     --offline) offline=1; shift ;;
     --no-torch) torch=0; shift ;;
     --test-deps) test_deps=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --print-python) print_py=1; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -52,13 +54,19 @@ if [ -z "$py" ] && [ -z "$venv" ]; then
   fi
 fi
 if [ -z "$py" ]; then
-  if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare 2>/dev/null | grep -qx 3.12.1; then
-    py="env PYENV_VERSION=3.12.1 python3.12"
+  # pyenv's own answer, no pipe: `pyenv versions | grep -q` under pipefail failed when grep quit
+  # before pyenv had written everything (SIGPIPE), about 1 run in 20.
+  if command -v pyenv >/dev/null 2>&1 && pyenv_py=$(PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null); then
+    py="$pyenv_py"
   elif command -v python3.12 >/dev/null 2>&1; then
     py="python3.12"
   else
     py="python3"
   fi
+fi
+if [ "$print_py" = 1 ]; then
+  echo "$py"
+  exit 0
 fi
 if [ -n "$venv" ]; then
   if [ ! -x "$venv/bin/python" ]; then

@@ -87,13 +87,13 @@ def working_tree_base():
 
 
 def upstream_ref(base=None):
-    """The Megatron-LM git ref of ``base`` (default: the selected one): its tag or pinned commit.
+    """The Megatron-LM git ref of ``base`` (default: the selected one): commit, tag or nearest ref.
 
     Used to read upstream files that the wheels do not ship (``pretrain_gpt.py``) at the version
     that matches the base.
     """
     pin = PIN['bases'][base or BASE]
-    return pin.get('commit') or pin['git_tag']
+    return pin.get('commit') or pin.get('git_tag') or pin['nearest_ref']
 
 
 def source_args(base):

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, ForkError
+from . import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_UNAVAILABLE, ForkError
 from . import check as check_mod
 from . import manifest as manifest_mod
 from . import queue as queue_mod
@@ -51,6 +51,14 @@ def _source(args):
 def _default_base(args, pin, ws):
     """--base, else the base megatron/ was built on, else the pin's default (newest release)."""
     return args.base or ws.base() or pin["default"]
+
+
+def _named_bases(args):
+    """The base names given on the command line (``--base``, and ``pristine``'s positional)."""
+    given = getattr(args, "base", None)
+    if given is None:
+        return []
+    return [given] if isinstance(given, str) else list(given)
 
 
 def _source_for(args, pin, base, several=False):
@@ -140,8 +148,13 @@ def cmd_check(args, pin):
             continue
         source = _source_for(args, pin, base, several=len(bases) > 1)
         print(check_mod.check_base(pin, base, queue_mod.DEFAULT, source), flush=True)
-    for base in skipped:
-        print(f"check {base}: skipped (pass --git-repo PATH-TO-Megatron-LM to check it)")
+    if skipped:
+        # A check that left a maintained base out must not pass as a check of every base.
+        raise ForkError(
+            f"check {', '.join(skipped)}: not checked (Megatron-LM commit; pass --git-repo "
+            "PATH-TO-Megatron-LM, or name the bases to check with --base)",
+            EXIT_UNAVAILABLE,
+        )
 
 
 def cmd_status(args, pin):
@@ -272,6 +285,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         pin = upstream.load_pin(args.pin) if args.command != "verify" else None
+        for name in _named_bases(args):
+            upstream.base_entry(pin, name)  # an unknown base is named before anything runs
         args.func(args, pin)
     except ForkError as exc:
         print(f"error: {exc}", file=sys.stderr)

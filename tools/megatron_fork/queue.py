@@ -245,26 +245,58 @@ def locked(ws, wait_s=None):
     except OSError as exc:
         raise io_error(exc, f"cannot create the lock in {ws.build}") from exc
     deadline = time.monotonic() + wait_s
+    lock_path = ws.build / LOCK_FILE
     with handle:
+        waiting = False
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError as exc:
+                holder = _lock_holder(lock_path)
                 if time.monotonic() > deadline:
                     raise ForkError(
-                        f"another tools/fork.py run holds {ws.build / LOCK_FILE} "
-                        f"(waited {wait_s:.0f} s); try again when it has finished",
+                        f"another tools/fork.py run holds {lock_path} ({holder}; waited "
+                        f"{wait_s:.0f} s); try again when it has finished",
                         EXIT_BUSY,
                     ) from exc
+                if not waiting:
+                    print(
+                        f"waiting for {lock_path}, held by {holder}: up to {wait_s:.0f} s "
+                        "($MEGATRON_FORK_LOCK_WAIT), then exit 7",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    waiting = True
                 time.sleep(0.2)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}: {_command()}\n")
+        handle.flush()
         try:
             for stale in ws.build.iterdir():
                 if stale.name.startswith(TEMP_PREFIXES):
                     shutil.rmtree(stale, ignore_errors=True)
             yield
         finally:
+            handle.seek(0)
+            handle.truncate()
+            handle.flush()
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _command():
+    """This process's command line, as the lock file records it for a waiting run."""
+    return " ".join(["tools/fork.py" if a.endswith("fork.py") else a for a in sys.argv])
+
+
+def _lock_holder(lock_path):
+    """What the lock file says about the run that holds it."""
+    try:
+        text = lock_path.read_text().strip()
+    except OSError:
+        text = ""
+    return text or "a process that did not say which"
 
 
 IO_HINTS = {
@@ -367,7 +399,7 @@ def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_afte
         outcome, detail = classify(patch, tmp)
         if outcome != CLEAN:
             raise ForkError(
-                f"patch {patch.name} does not apply with zero fuzz and offset to "
+                f"patch {patch.where} does not apply with zero fuzz and offset to "
                 f"megatron-core {base_name} ({outcome}): {detail}",
                 EXIT_APPLY,
             )

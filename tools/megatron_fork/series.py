@@ -54,9 +54,20 @@ class Patch:
     change: str = ""
 
     @property
+    def where(self):
+        """``patches/<base>/<entry>``: the series entry alone exists on every base."""
+        return _where(self.path, self.name)
+
+    @property
     def basename(self):
         """The file name without the group directory."""
         return self.name.rsplit("/", 1)[-1]
+
+
+def _where(path, entry=None):
+    """Name a patch file with its series directory, e.g. ``patches/0.19.2/fork/0006-x.patch``."""
+    depth = (entry or Path(path).name).count("/") + 1
+    return "/".join(Path(path).parts[-(depth + 2) :])
 
 
 def series_dir(base, root=PATCH_ROOT):
@@ -112,13 +123,13 @@ def parse_patch(path, entry=None):
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ForkError(f"patch {path.name}: cannot read it: {exc}", EXIT_APPLY) from exc
+        raise ForkError(f"patch {_where(path, entry)}: cannot read it: {exc}", EXIT_APPLY) from exc
     patch = Patch(name=entry or path.name, path=path)
     subject = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*(?:\n .*)*)", text, re.M)
     if not text.startswith("From ") or not subject or "\ndiff --git " not in text:
         raise ForkError(
-            f"patch {path.name}: not a git format-patch file (needs a From line, a Subject "
-            "and at least one 'diff --git' section)",
+            f"patch {_where(path, entry)}: not a git format-patch file (needs a From line, a "
+            "Subject and at least one 'diff --git' section)",
             EXIT_APPLY,
         )
     patch.subject = " ".join(subject.group(1).split())
@@ -173,7 +184,7 @@ def _check_complete(patch, text):
         present = {b for _, b in sections} | {a for a, _ in sections}
         lost = [f for f in stated if f not in present and not f.startswith("...")]
         raise ForkError(
-            f"patch {patch.name}: incomplete diff: its diffstat announces {n_files} files "
+            f"patch {patch.where}: incomplete diff: its diffstat announces {n_files} files "
             f"(+{want_plus}/-{want_minus} lines), the diff has {len(sections)} (+{plus}/-{minus})"
             + (f"; missing: {', '.join(lost)}" if lost else "")
             + " (truncated or hand-edited; regenerate it with tools/fork.py export)",
@@ -195,7 +206,9 @@ def _check_hunks(patch, text):
         header, i = lines[i], i + 1
         while old > 0 or new > 0:
             if i >= len(lines):
-                raise ForkError(f"patch {patch.name}: truncated inside hunk {header!r}", EXIT_APPLY)
+                raise ForkError(
+                    f"patch {patch.where}: truncated inside hunk {header!r}", EXIT_APPLY
+                )
             line = lines[i]
             if line.startswith("\\"):
                 i += 1
@@ -209,12 +222,12 @@ def _check_hunks(patch, text):
                 new -= 1
             else:
                 raise ForkError(
-                    f"patch {patch.name}: corrupt hunk {header!r}: unexpected line {line[:60]!r}",
+                    f"patch {patch.where}: corrupt hunk {header!r}: unexpected line {line[:60]!r}",
                     EXIT_APPLY,
                 )
             i += 1
         if old < 0 or new < 0:
-            raise ForkError(f"patch {patch.name}: corrupt hunk {header!r}: bad counts", EXIT_APPLY)
+            raise ForkError(f"patch {patch.where}: corrupt hunk {header!r}: bad counts", EXIT_APPLY)
 
 
 def load_series(patch_dir):
@@ -287,7 +300,7 @@ def gnu_patch(patch_path, tree, reverse=False, fuzz=0, dry_run=True):
 
 def describe_failure(patch, output):
     """Turn GNU patch output into 'file X: hunk #N FAILED at L' lines."""
-    current, failures = "?", []
+    current, failures, missing = "?", [], None
     for line in output.splitlines():
         m = re.match(r"^(?:checking|patching) file (.+)$", line)
         if m:
@@ -297,8 +310,17 @@ def describe_failure(patch, output):
             failures.append(
                 f"{patch.name}: file {current}: hunk #{m.group(1)} FAILED at line {m.group(2)}"
             )
-        if "can't find file" in line or "No file to patch" in line:
-            failures.append(f"{patch.name}: file {current}: does not exist in the tree")
+        # A missing file is named only in the quoted diff header ("|--- a/F", "|+++ b/F") that
+        # GNU patch prints between "can't find file to patch" and "No file to patch".
+        if "can't find file" in line:
+            missing = "?"
+        m = re.match(r"^\|(?:---|\+\+\+) [ab]/(\S+)", line)
+        if m and missing is not None:
+            missing = m.group(1)
+        if "No file to patch" in line:
+            where = missing or current
+            failures.append(f"{patch.name}: file {where}: does not exist in the tree")
+            missing = None
         if "Only garbage" in line or "malformed patch" in line:
             failures.append(f"{patch.name}: malformed patch ({line.strip()})")
         if re.search(r"already exists|previously applied", line):

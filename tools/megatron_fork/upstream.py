@@ -63,7 +63,11 @@ def base_entry(pin, name):
     """Return the pin entry of base ``name`` or fail naming the known bases."""
     bases = pin["bases"]
     if name not in bases:
-        raise ForkError(f"unknown base {name!r}; the pin knows {', '.join(bases)}", EXIT_USAGE)
+        raise ForkError(
+            f"unknown base {name!r}: {PIN_FILE.relative_to(REPO)} pins {', '.join(bases)}; "
+            "pass one of those",
+            EXIT_USAGE,
+        )
     return bases[name]
 
 
@@ -154,12 +158,27 @@ def fetch_wheel(pin, name, wheel=None, wheel_dir=None, offline=False):
         got = Path(tmp) / base["wheel"]
         if proc.returncode != 0 or not got.is_file():
             raise ForkError(
-                f"could not download {base['wheel']}: {proc.stderr.strip()[-500:]}",
+                f"could not download megatron-core {base['version']} ({pip_error(proc.stderr)}); "
+                f"without network, pass --offline --wheel-dir DIR, DIR holding {base['wheel']} "
+                f"(`tools/fork.py fetch --base {name} --dest DIR` on a machine with network)"
+                + (
+                    f", or --git-repo PATH-TO-Megatron-LM (tag {base['git_tag']})"
+                    if base.get("git_tag")
+                    else ""
+                ),
                 EXIT_UNAVAILABLE,
             )
         _verified(got, base)
         os.replace(got, cache / base["wheel"])
     return cache / base["wheel"]
+
+
+def pip_error(stderr):
+    """pip's own reason in one line: its last ``ERROR:`` line (else its last line), whole words."""
+    lines = [" ".join(line.split()) for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    text = (errors or lines or ["pip gave no reason"])[-1]
+    return text if len(text) <= 240 else text[:240].rsplit(" ", 1)[0] + " ..."
 
 
 def copy_wheel(path, dest):
@@ -271,6 +290,14 @@ def obtain_tree(
             )
     elif git_repo:
         rev = rev or base.get("git_tag")
+        if rev is None:
+            raise ForkError(
+                f"megatron-core {name}: no Megatron-LM ref equals its wheel (nearest: "
+                f"{base.get('nearest_ref', 'none')}; see {PIN_FILE.relative_to(REPO)}), so "
+                f"--git-repo cannot build it; pass --offline --wheel-dir DIR, DIR holding "
+                f"{base['wheel']} (`tools/fork.py fetch --base {name} --dest DIR` makes it)",
+                EXIT_UNAVAILABLE,
+            )
     if git_repo:
         extract_git(git_repo, rev, dest)
         digest = py_tree_digest(dest)
