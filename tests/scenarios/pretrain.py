@@ -28,6 +28,7 @@ import hashlib
 import importlib.util
 import io
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -406,4 +407,9 @@ def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
     out['warmup_log'] = [
         line.strip() for line in stdout.getvalue().splitlines() if line.startswith('[warmup]')
     ]
+    # What training_log printed (on the last rank): {iteration: lm loss as printed}.
+    out['printed_loss'] = {
+        int(m.group(1)): m.group(2)
+        for m in re.finditer(r' iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|', stdout.getvalue())
+    }
     return out
