@@ -13,8 +13,8 @@
 # mirror's REF (git archive into --src, outside this repo), as they are and, with --te-stub,
 # with an inert transformer_engine stub (Bridge imports transformer_engine.pytorch
 # unconditionally; the stub goes in only after megatron.core was imported without TE);
-# megatron-fork-verify --import in
-# the fork env; a per-test comparison of the two junit files. Results go to ROOT/results/.
+# megatron-fork-verify --import in the fork env; a per-test comparison of the two junit files.
+# Results go to ROOT/results/.
 # Nothing of Bridge is written inside this repository.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     --pytest-args) pyargs="$2"; shift 2 ;;
     --te-stub) mode=te-stub; shift ;;
     --paths) paths="$2"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "bridge_check.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
