@@ -25,6 +25,7 @@ CASES = {
     'more_distopt': dict(steps=[4, 4, 6, 6], distopt=True, bucket_size=None),
     'more_distopt_buckets': dict(steps=[4, 4, 6, 6], distopt=True),
     'no_sync': dict(steps=[4, 4, 2, 2, 6, 1], no_sync=True),
+    'no_sync_later': dict(steps=[2, 2, 2, 2], no_sync=True, no_sync_from_step=2),
     'calls_same_total': dict(steps=[4, 4, [2, 2], [2, 2], 4]),
     'calls_finalize_each': dict(steps=[4, [2, 2], [2, 2]], finalize_each_call=True),
     'calls_shorter': dict(steps=[[2, 2], [2, 2], 2, [2, 2]]),
@@ -139,6 +140,17 @@ def test_no_sync_func_keeps_overlap_on_every_count():
             _equal(res)
             groups = res['overlap']['groups']
             assert res['overlap']['early'] == [0] + [groups] * 5
+
+
+def test_no_sync_func_installed_after_two_steps():
+    """Steps without no_sync_func, then with it (a warm-up before train()): pristine dies at the
+    first step with it (0001's reset was the only way out); the fork recalibrates once."""
+    for res in _ranks(W2[PRISTINE]['no_sync_later']):
+        assert res['overlap']['error'].startswith(NO_COMM) and res['overlap']['failed_step'] == 2
+    for res in _ranks(W2[FORK]['no_sync_later']):
+        _equal(res)
+        groups = res['overlap']['groups']
+        assert res['overlap']['early'] == [0, groups, 0, groups]
 
 
 # --- one optimizer step over several forward_backward calls --------------------------------

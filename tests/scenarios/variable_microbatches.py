@@ -112,11 +112,15 @@ def run_sequence(
     overlap=True,
     distopt=False,
     no_sync=False,
+    no_sync_from_step=None,
     finalize_each_call=False,
     bucket_size=100,
     seed=1234,
 ):
     """Train ``steps`` (each an int: one forward_backward call, or a list: one call per count).
+
+    ``no_sync_from_step``: install no_sync_func from that step on (steps before it run without,
+    as a warm-up before train() installs its hooks).
 
     Returns:
         dict: per step ``grads`` (digest), ``grad_norm`` (float hex), ``params`` (digest),
@@ -131,11 +135,13 @@ def run_sequence(
         seed=seed,
         install_hooks=False,
     )
-    trainer.install_hooks(no_sync=no_sync, finalize=True)
+    trainer.install_hooks(no_sync=no_sync and not no_sync_from_step, finalize=True)
     state = _instrument(trainer.model)
     out = {'grads': [], 'grad_norm': [], 'params': [], 'early': []}
     out['groups'] = len(_groups(trainer.model))
     for step, calls in enumerate(steps):
+        if no_sync_from_step and step == no_sync_from_step:
+            trainer.install_hooks(no_sync=True, finalize=True)  # as train() after a warm-up
         calls = calls if isinstance(calls, list) else [calls]
         state['early'] = set()
         try:
