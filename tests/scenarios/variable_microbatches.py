@@ -9,7 +9,8 @@ forward_backward calls (``finalize_model_grads`` after the last one, or after ea
 ``optimizer.step()``. Each step records a bitwise digest of the reduced grads (the local shard
 under the distributed optimizer), the grad norm, a digest of the params after the step, and how
 many bucket groups dispatched their grad reduce during backward (the overlap) rather than in
-finish_grad_sync.
+finish_grad_sync. A reduce in flight completes before the next microbatch's forward (``_settled``),
+so pristine's early reduces give the same wrong values on every run.
 """
 
 import hashlib
@@ -71,6 +72,21 @@ def _drain(model):
             group.grad_reduce_handle = None
 
 
+def _settled(forward_step_func, chunks):
+    """``forward_step_func`` that first waits on grad reduces in flight (the handles stay), so a
+    reduce dispatched early (pristine, more microbatches than calibrated) completes before the
+    next microbatch's grads land: its wrong result is deterministic instead of a race."""
+
+    def forward_step(data_iterator, model):
+        for chunk in chunks:
+            for group in _groups(chunk):
+                if group.grad_reduce_handle is not None:
+                    group.grad_reduce_handle.wait()
+        return forward_step_func(data_iterator, model)
+
+    return forward_step
+
+
 def _step(trainer, step, calls, finalize_each_call):
     """One optimizer step over ``calls`` (microbatch counts of its forward_backward calls)."""
     from megatron.core.distributed import finalize_model_grads
@@ -93,7 +109,7 @@ def _step(trainer, step, calls, finalize_each_call):
             trainer.micro_batch_size,
         )
         get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=_settled(_forward_step, [model]),
             data_iterator=data,
             model=[model],
             num_microbatches=num_microbatches,
@@ -254,7 +270,7 @@ def _run_pp(ctx, steps, overlap, vpp):
         )
         try:
             get_forward_backward_func()(
-                forward_step_func=P._forward_step,
+                forward_step_func=_settled(P._forward_step, trainer.model),
                 data_iterator=data,
                 model=trainer.model,
                 num_microbatches=num_microbatches,
