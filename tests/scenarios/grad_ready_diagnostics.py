@@ -13,6 +13,8 @@ Neither names the param. The scenarios drive the real DDP wrapper, the real no-p
 distributed optimizer) and return what was raised, where, and the DDP's view of the bucket groups.
 """
 
+import contextlib
+
 import torch
 
 from tests.scenarios.common import (
@@ -32,8 +34,11 @@ from tests.scenarios.common import (
 #   'expert_unused'  branch carries allreduce=False (expert bucket group); its bias is never
 #                    used (a bucket group in which no param at all reports stays in calibration
 #                    and is reduced synchronously, which works, so one param must report).
-#   'undercount'     the calibration step runs without no_sync_func (every microbatch registers),
-#                    later steps with it: every param reports, but fewer times than calibrated.
+#   'undercount'     the calibration step runs with a no_sync_func that syncs anyway (a no-op
+#                    context: every microbatch registers), later steps with DDP's no_sync: every
+#                    param reports, but fewer times than calibrated. (Without any no_sync_func
+#                    the schedule tells DDP, and patch 0013 recalibrates; a no-op one it cannot
+#                    tell from DDP's.)
 #   'none'           branch always used: the reference, must train.
 MODES = ('unused', 'skip_later', 'freeze_later', 'expert_unused', 'undercount', 'none')
 
@@ -146,7 +151,7 @@ def scenario_missing_grad(
     out['groups'] = [sorted(names[p] for p in g.params) for g in _groups(ddp)]
     dp_rank = parallel_state.get_data_parallel_rank()
     if mode == 'undercount':
-        config.no_sync_func = None
+        config.no_sync_func = contextlib.nullcontext
     for step in range(steps):
         if step == 1 and mode == 'undercount':
             config.no_sync_func = ddp.no_sync
