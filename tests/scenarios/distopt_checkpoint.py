@@ -90,6 +90,7 @@ def fused_adam():
     patches = [
         (optimizer_module, 'USING_PYTORCH_OPTIMIZER', False),
         (optimizer_module, 'Adam', FusedAdamLike),
+        (distrib_optimizer, 'Adam', FusedAdamLike),
         (distrib_optimizer, 'HAVE_APEX_OR_TE', True),
         (distrib_optimizer, 'USING_APEX_OPTIMIZER', True),
         (distrib_optimizer, 'USING_TE_OPTIMIZER', False),
@@ -104,11 +105,12 @@ def fused_adam():
             setattr(module, name, value)
 
 
-def _model(config, sizes, shared_first, seed):
+def _model(config, sizes, shared, seed):
     from megatron.core.transformer.module import MegatronModule
 
     class Params(MegatronModule):
-        """Plain parameters; the first one optionally marked as a shared embedding."""
+        """Plain parameters; the one at index ``shared`` marked as a shared embedding (it gets
+        a bucket of its own, and the bucket before it ends at a 64-aligned offset)."""
 
         def __init__(self):
             super().__init__(config=config)
@@ -117,8 +119,8 @@ def _model(config, sizes, shared_first, seed):
                 torch.nn.Parameter(torch.randn(n, generator=gen).to(config.params_dtype))
                 for n in sizes
             )
-            if shared_first:
-                self.p[0].shared_embedding = True
+            if shared is not None:
+                self.p[shared].shared_embedding = True
 
     return Params()
 
@@ -140,7 +142,7 @@ def _distopts(optimizer):
 def _build(ctx, case, seed, steps):
     """Model, DDP, optimizer, and ``steps`` Adam steps on seeded grads (identical on every rank)."""
     config = make_config(case['dtype'])
-    module = _model(config, case['sizes'], case.get('shared', False), seed)
+    module = _model(config, case['sizes'], case.get('shared'), seed)
     ddp = wrap_ddp(module, config, overlap=True, distopt=True, bucket_size=case['bucket_size'])
     optimizer = build_optimizer(ddp, dtype=case['dtype'], distopt=True, clip_grad=0.0)
     params = list(module.parameters())
@@ -208,6 +210,7 @@ def _stage(fn):
     try:
         value = fn()
     except CHECKPOINT_ERRORS as exc:
+        import traceback; traceback.print_exc()
         error = _error(exc)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
