@@ -54,9 +54,9 @@ ZERO_FILL = (
     " can lead to data corruption."
 )
 PLAN_ERROR = (
-    'ValueError: Failed to validate global plan: key:optimizer.distributed.dp_group_idx_0.gbuf_idx_0'
-    '.dtype_(torch.bfloat16, torch.bfloat16).bucket_idx_0.param has out of bounds chunk: '
-    'tensor-size:torch.Size([192]) chunk: ChunkStorageMetadata(offsets=torch.Size([148]), '
+    'ValueError: Failed to validate global plan: key:optimizer.distributed.dp_group_idx_0'
+    '.gbuf_idx_0.dtype_(torch.bfloat16, torch.bfloat16).bucket_idx_0.param has out of bounds '
+    'chunk: tensor-size:torch.Size([192]) chunk: ChunkStorageMetadata(offsets=torch.Size([148]), '
     'sizes=torch.Size([108]))'
 )
 
@@ -87,8 +87,12 @@ PROPERTY_W4 = [
     dict(name='w4_multi_dp', sharding=DP, dtype='bf16', **MULTI),
     dict(name='w4_shared_end_dp', sharding=DP, dtype='bf16', **SHARED_END),
     dict(name='w4_pad_middle_dp', sharding=DP, dtype='bf16', **PAD_MIDDLE),
-    dict(name='w4_wide_fr', sharding=FR, dtype='fp32', sizes=[1000, 333, 70, 129, 5], bucket_size=300),
-    dict(name='w4_wide_dp', sharding=DP, dtype='bf16', sizes=[1000, 333, 70, 129, 5], bucket_size=300),
+    dict(
+        name='w4_wide_fr', sharding=FR, dtype='fp32', sizes=[1000, 333, 70, 129, 5], bucket_size=300
+    ),
+    dict(
+        name='w4_wide_dp', sharding=DP, dtype='bf16', sizes=[1000, 333, 70, 129, 5], bucket_size=300
+    ),
 ]
 
 CALLS = {
@@ -176,7 +180,9 @@ def test_pristine_dp_reshardable_plan_rejected_at_bucket_end():
     scenario answers its collectives); the checkpoint has rank 1's data but no metadata."""
     per_rank = _cases(PRISTINE)['dp_shared_end']
     assert per_rank[0]['save_error'].startswith(PLAN_ERROR), per_rank[0]['save_error']
-    assert per_rank[1]['save_error'] == 'CheckpointException: CheckpointException ranks:dict_keys([])'
+    assert (
+        per_rank[1]['save_error'] == 'CheckpointException: CheckpointException ranks:dict_keys([])'
+    )
     for res in per_rank:
         assert '__1_0.distcp' in res['files'] and '.metadata' not in res['files'], res['files']
 

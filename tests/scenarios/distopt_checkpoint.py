@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -168,7 +169,9 @@ def _states(optimizer):
                         main_param = distopt.optimizer.param_groups[group]['params'][order]
                         state = distopt.optimizer.state[main_param]
                         tensors = distopt._get_main_param_and_optimizer_states(model_param)
-                        tensors['step'] = state.get('step', distopt.optimizer.param_groups[group].get('step'))
+                        tensors['step'] = state.get(
+                            'step', distopt.optimizer.param_groups[group].get('step')
+                        )
                         for key in sorted(tensors):
                             value = tensors[key]
                             if not isinstance(value, torch.Tensor):
@@ -210,7 +213,7 @@ def _stage(fn):
     try:
         value = fn()
     except CHECKPOINT_ERRORS as exc:
-        import traceback; traceback.print_exc()
+        traceback.print_exc()  # into the rank log
         error = _error(exc)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
