@@ -1,0 +1,200 @@
+"""Scenarios: the expert fc2 (RowParallelLinear) bias grad through the real MoE layer (issue 22/9).
+
+Model: upstream's MoELayer from the local GPT layer spec (SequentialMLP of local
+ColumnParallelLinear / RowParallelLinear experts, allgather token dispatcher, top-1 routing,
+``add_bias_linear=True``), fp32, wrapped in megatron DDP; then the real ``finalize_model_grads``.
+Sequence parallelism is on whenever TP > 1 (upstream requires it for MoE with TP and EP). Every
+param is set from its global name (expert params from their global expert index), and the global
+batch [SEQ, GLOBAL_BATCH, HIDDEN] is split over dense DP (batch) and TP (sequence), so the model
+and the data do not depend on the layout.
+
+Expected values never come from a reduction under test: every rank records its own unreduced
+grads (``main_grad`` after backward, before any sync) and all ranks exchange them. The correct
+grad after ``finalize_model_grads`` (DDP averages over dense DP):
+- an expert param: the sum over exactly the expert-DP replicas of its expert, / |dense DP|;
+- a dense sequence-parallel param (router weight and bias): the sum over every rank (TP x DP
+  with PP = CP = 1), / |dense DP|.
+Each layout also reports ``total``: per param, the sum of the unreduced grads of every rank that
+holds it, which must be the same in every layout (each token is processed once); the test
+compares it with TP = 1, EP = world, where nothing is reduced at all.
+
+The bug: the expert fc2 bias is marked ``sequence_parallel``, so ``finalize_model_grads`` also sums
+it over the dense TP group, which holds other experts (EP > 1) or the expert-DP replicas that DDP
+already summed (EP = 1 with expert params in the expert buffers, 0010 / upstream #5916).
+"""
+
+import torch
+
+NUM_EXPERTS = 4
+HIDDEN = 8
+FFN = 8
+SEQ = 4  # sequence length (split over TP with sequence parallelism)
+GLOBAL_BATCH = 4  # split over dense DP
+SEED = 20261
+EXPERT_PREFIX = 'experts.local_experts.'
+
+
+def _config(tp, ep, etp):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=1,
+        moe_router_pre_softmax=True,
+        moe_token_dispatcher_type='allgather',
+        moe_router_load_balancing_type='none',
+        add_bias_linear=True,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+
+
+def _moe_layer(config):
+    """Upstream's MoELayer from the local GPT layer spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return spec.submodules.mlp(config=config)
+
+
+def _canonical(name, local_ids):
+    """'experts.local_experts.<local>.x' -> 'expert<global>.x'; dense names unchanged."""
+    if name.startswith(EXPERT_PREFIX):
+        local, rest = name[len(EXPERT_PREFIX) :].split('.', 1)
+        return f'expert{local_ids[int(local)]}.{rest}'
+    return name
+
+
+def _set_global_weights(moe):
+    """Each param from its canonical name (ETP = 1: expert params are whole). Returns the
+    canonical names of the module's params, in named_parameters order."""
+    local_ids = list(moe.local_expert_indices)
+    names = []
+    with torch.no_grad():
+        for name, param in moe.named_parameters():
+            canonical = _canonical(name, local_ids)
+            gen = torch.Generator().manual_seed(SEED + sum(ord(c) * 31**i for i, c in enumerate(canonical)) % 2**31)
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            names.append(canonical)
+    return names
+
+
+def _local_data(dp, dp_rank, tp, tp_rank):
+    """This rank's input and loss probe: its batch slice (dense DP) and sequence chunk (TP)."""
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(SEQ, GLOBAL_BATCH, HIDDEN, generator=gen)
+    probe = torch.randn(SEQ, GLOBAL_BATCH, HIDDEN, generator=gen)
+    b, s = GLOBAL_BATCH // dp, SEQ // tp
+    return tuple(
+        t[tp_rank * s : (tp_rank + 1) * s, dp_rank * b : (dp_rank + 1) * b].contiguous()
+        for t in (x, probe)
+    )
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    ranks = torch.distributed.get_process_group_ranks
+    return {
+        'tp': ps.get_tensor_model_parallel_world_size(),
+        'ep': ps.get_expert_model_parallel_world_size(),
+        'etp': ps.get_expert_tensor_parallel_world_size(),
+        'dp': ps.get_data_parallel_world_size(),
+        'expert_dp': ps.get_expert_data_parallel_world_size(),
+        'tp_ranks': ranks(ps.get_tensor_model_parallel_group()),
+        'expert_dp_ranks': ranks(ps.get_expert_data_parallel_group()),
+    }
+
+
+def _layout(ctx, tp, ep, etp, mode):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    torch.manual_seed(SEED)
+    config = _config(tp, ep, etp)
+    moe = _moe_layer(config)
+    names = _set_global_weights(moe)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), moe
+    )
+    params = dict(zip(names, model.module.parameters()))
+    groups = _groups()
+    if mode == 'fill':
+        for p in params.values():
+            p.main_grad.fill_(float(ctx.rank + 1))
+    else:
+        x, probe = _local_data(
+            groups['dp'], ps.get_data_parallel_rank(), tp, ps.get_tensor_model_parallel_rank()
+        )
+        (model(x)[0] * probe).sum().backward()
+    local = {n: p.main_grad.detach().double().clone() for n, p in params.items()}
+    attrs = {
+        n: {k: getattr(p, k, None) for k in ('allreduce', 'sequence_parallel')}
+        for n, p in params.items()
+    }
+    finalize_model_grads([model])
+    final = {n: p.main_grad.detach().double().clone() for n, p in params.items()}
+    every = [None] * ctx.world_size
+    torch.distributed.all_gather_object(every, local)
+    return groups, attrs, final, every
+
+
+def scenario_bias_grads(ctx, layout_list, mode='train'):
+    """Per layout, each param's grad after finalize_model_grads against the correct value.
+
+    Args:
+        layout_list: list of [tp, ep, etp].
+        mode: 'train' (one real forward/backward) or 'fill' (every main_grad set to rank + 1,
+            then finalize_model_grads: the numbers read directly).
+
+    Returns:
+        {'cases': [per layout: 'layout', 'groups', 'params': {canonical name: 'got' and 'want'
+        (first element), 'max_err', 'scale' (max |want|), 'allreduce', 'sequence_parallel'},
+        'total': {canonical name: flat list}] } or, for a layout the config refuses,
+        {'layout', 'error'}.
+    """
+    from megatron.core import parallel_state as ps
+
+    cases = []
+    for tp, ep, etp in layout_list:
+        try:
+            groups, attrs, final, every = _layout(ctx, tp, ep, etp, mode)
+        except (AssertionError, ValueError, RuntimeError) as exc:  # refused or failing upstream
+            cases.append({'layout': [tp, ep, etp], 'error': f'{type(exc).__name__}: {exc}'})
+            continue
+        finally:
+            ps.destroy_model_parallel()
+        out, total = {}, {}
+        for name, got in final.items():
+            if name.startswith('expert'):
+                replicas = groups['expert_dp_ranks']
+            else:
+                replicas = range(ctx.world_size)
+            want = sum(every[r][name] for r in replicas) / groups['dp']
+            total[name] = sum(g[name] for g in every if name in g).flatten().tolist()
+            out[name] = {
+                'got': float(got.flatten()[0]),
+                'want': float(want.flatten()[0]),
+                'max_err': float((got - want).abs().max()),
+                'scale': float(want.abs().max()),
+                **attrs[name],
+            }
+        cases.append({'layout': [tp, ep, etp], 'groups': groups, 'params': out, 'total': total})
+    return {'cases': cases}
