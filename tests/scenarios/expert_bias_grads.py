@@ -81,7 +81,8 @@ def _set_global_weights(moe):
     with torch.no_grad():
         for name, param in moe.named_parameters():
             canonical = _canonical(name, local_ids)
-            gen = torch.Generator().manual_seed(SEED + sum(ord(c) * 31**i for i, c in enumerate(canonical)) % 2**31)
+            digest = sum(ord(c) * 31**i for i, c in enumerate(canonical)) % 2**31
+            gen = torch.Generator().manual_seed(SEED + digest)
             param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
             names.append(canonical)
     return names
@@ -167,7 +168,7 @@ def scenario_bias_grads(ctx, layout_list, mode='train'):
     Returns:
         {'cases': [per layout: 'layout', 'groups', 'params': {canonical name: 'got' and 'want'
         (first element), 'max_err', 'scale' (max |want|), 'allreduce', 'sequence_parallel'},
-        'total': {canonical name: flat list}] } or, for a layout the config refuses,
+        'total': {every canonical name of the model: flat list}] } or, for a layout the config refuses,
         {'layout', 'error'}.
     """
     from megatron.core import parallel_state as ps
@@ -188,7 +189,6 @@ def scenario_bias_grads(ctx, layout_list, mode='train'):
             else:
                 replicas = range(ctx.world_size)
             want = sum(every[r][name] for r in replicas) / groups['dp']
-            total[name] = sum(g[name] for g in every if name in g).flatten().tolist()
             out[name] = {
                 'got': float(got.flatten()[0]),
                 'want': float(want.flatten()[0]),
@@ -196,5 +196,7 @@ def scenario_bias_grads(ctx, layout_list, mode='train'):
                 'scale': float(want.abs().max()),
                 **attrs[name],
             }
+        for name in sorted({n for g in every for n in g}):
+            total[name] = sum(g[name] for g in every if name in g).flatten().tolist()
         cases.append({'layout': [tp, ep, etp], 'groups': groups, 'params': out, 'total': total})
     return {'cases': cases}
