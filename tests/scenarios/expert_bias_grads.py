@@ -168,8 +168,8 @@ def scenario_bias_grads(ctx, layout_list, mode='train'):
     Returns:
         {'cases': [per layout: 'layout', 'groups', 'params': {canonical name: 'got' and 'want'
         (first element), 'max_err', 'scale' (max |want|), 'allreduce', 'sequence_parallel'},
-        'total': {every canonical name of the model: flat list}] } or, for a layout the config refuses,
-        {'layout', 'error'}.
+        'total': {every canonical name of the model: flat list}] } or, for a layout the config
+        refuses (or upstream fails to run), {'layout', 'error'}.
     """
     from megatron.core import parallel_state as ps
 
