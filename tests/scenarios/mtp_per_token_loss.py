@@ -186,10 +186,9 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
         finalize_model_grads,
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.core.transformer.transformer_config import TransformerConfig
     from tests.scenarios.common import init_parallel
-
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     init_parallel(cp=cp)
     MTPLossLoggingHelper.tracker = {}  # sized by the first call's depth; training cleans it
@@ -219,9 +218,7 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
     masks = _masks(dp_size, uneven)
     data = [_batch(seed, r) for r in range(dp_size)]
     cp_rank = parallel_state.get_context_parallel_rank()
-    tokens, labels, mask = (
-        _cp_slice(x, cp_rank, cp) for x in (*data[dp_rank], masks[dp_rank])
-    )
+    tokens, labels, mask = (_cp_slice(x, cp_rank, cp) for x in (*data[dp_rank], masks[dp_rank]))
 
     def forward_step(data_iterator, model):
         tok, lab, mask = next(data_iterator)
@@ -237,9 +234,7 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
     model.zero_grad_buffer()
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(
-            [(tokens.to(ctx.device), labels.to(ctx.device), mask.to(ctx.device))]
-        ),
+        data_iterator=iter([(tokens.to(ctx.device), labels.to(ctx.device), mask.to(ctx.device))]),
         model=[model],
         num_microbatches=1,
         seq_length=SEQ,
