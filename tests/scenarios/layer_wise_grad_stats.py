@@ -68,17 +68,11 @@ def _build(ctx, tp, shapes, expert_names, tp_names, setup):
     """DDP-wrap the parameters and build a LayerWiseDistributedOptimizer over them."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import (
-        OptimizerConfig,
-        _get_megatron_optimizer_based_on_param_groups,
-        _get_param_groups,
-        get_standard_config_overrides,
-    )
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.layer_wise_optimizer import (
         LayerWiseDistributedOptimizer,
         tag_params_for_buffer_routing,
     )
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(
@@ -112,6 +106,19 @@ def _build(ctx, tp, shapes, expert_names, tp_names, setup):
         log_num_zeros_in_grad=True,
         use_layer_wise_distributed_optimizer=True,
     )
+    return model, layer_wise_optimizer(model, opt_cfg)
+
+
+def layer_wise_optimizer(model, opt_cfg):
+    """The LayerWiseDistributedOptimizer of ``model`` built as the optimizer factory builds it."""
+    from megatron.core.optimizer import (
+        _get_megatron_optimizer_based_on_param_groups,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     groups = _get_param_groups([model], opt_cfg, get_standard_config_overrides(opt_cfg))
     base, init_fn = _get_megatron_optimizer_based_on_param_groups(
@@ -122,10 +129,9 @@ def _build(ctx, tp, shapes, expert_names, tp_names, setup):
         pg_collection=pg_collection,
         skip_megatron_wrapping=True,
     )
-    optimizer = LayerWiseDistributedOptimizer(
+    return LayerWiseDistributedOptimizer(
         [base], opt_cfg, pg_collection, init_state_fn_list=[init_fn], model_chunks=[model]
     )
-    return model, optimizer
 
 
 def _stats(model, optimizer, grads):

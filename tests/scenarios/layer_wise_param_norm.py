@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from tests.scenarios.layer_wise_grad_stats import layer_wise_optimizer
+
 # [rows, 2] bf16 matrices (LayerWise manages matrices only); x0 and x1 are experts
 # (allreduce=False).
 SHAPES = {'w0': 3, 'w1': 2, 'w2': 4, 'w3': 1, 'x0': 1, 'x1': 1}
@@ -50,17 +52,11 @@ class _Matrices(torch.nn.Module):
 def _build(ctx, setup, overlap):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import (
-        OptimizerConfig,
-        _get_megatron_optimizer_based_on_param_groups,
-        _get_param_groups,
-        get_standard_config_overrides,
-    )
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.layer_wise_optimizer import (
         LayerWiseDistributedOptimizer,
         tag_params_for_buffer_routing,
     )
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(
@@ -97,20 +93,7 @@ def _build(ctx, setup, overlap):
     )
     if hasattr(opt_cfg, 'use_layer_wise_param_layout'):
         opt_cfg.use_layer_wise_param_layout = setup == 'layout'
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    groups = _get_param_groups([model], opt_cfg, get_standard_config_overrides(opt_cfg))
-    base, init_fn = _get_megatron_optimizer_based_on_param_groups(
-        config=opt_cfg,
-        model_chunks=[model],
-        param_groups=groups,
-        model_parallel_group=pg_collection.mp,
-        pg_collection=pg_collection,
-        skip_megatron_wrapping=True,
-    )
-    optimizer = LayerWiseDistributedOptimizer(
-        [base], opt_cfg, pg_collection, init_state_fn_list=[init_fn], model_chunks=[model]
-    )
-    return model, optimizer
+    return model, layer_wise_optimizer(model, opt_cfg)
 
 
 def scenario_norm_after_step(ctx, setup='layout', overlap=True):
