@@ -10,6 +10,7 @@ call, so a crash still leaves the results of the calls before it.
 import datetime
 import importlib
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -154,6 +155,12 @@ def main(spec_path, rank):
         _write(out_path, results)
         _log(f'[rank {rank}] {target} done in {time.monotonic() - t0:.2f}s')
     _log(f'[rank {rank}] all calls done')
+    # os._exit skips multiprocessing's finalizers: a child the tree under test started (the
+    # Manager behind dist_checkpointing's async results queue) would outlive the world, holding
+    # its memory until the test job ends.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if broken is None else 3)
