@@ -10,6 +10,7 @@ from pathlib import Path
 from . import EXIT_FAILED, ForkError
 from . import queue as queue_mod
 from . import series as series_mod
+from . import sources as sources_mod
 
 
 def _number(name):
@@ -85,6 +86,11 @@ def check_base(pin, base, ws=queue_mod.DEFAULT, source=None):
     patch_dir = ws.patch_dir(base)
     changes = series_mod.load_changes(ws.patch_root)
     failures = metadata_failures(base, patch_dir, changes)
+    failures += [
+        line
+        for line in sources_mod.drift(ws.root, ws.patch_root)
+        if line.startswith(f"patches/{base}/")
+    ]
     if failures:
         raise ForkError(f"check {base} failed:\n  " + "\n  ".join(failures), EXIT_FAILED)
     with tempfile.TemporaryDirectory(prefix="fork-check-") as tmp:

@@ -118,10 +118,11 @@ def cmd_materialize(args, pin):
 
 
 def cmd_export(args, pin):
-    """Regenerate patches/<base>/ from the queue's commits."""
+    """Regenerate patches/<base>/ from the queue's commits and the fork's source files."""
     written, removed = queue_mod.export(queue_mod.DEFAULT)
     if not written and not removed:
-        print(f"patches/{queue_mod.DEFAULT.base()}/ is up to date (no byte changed)")
+        base = queue_mod.DEFAULT.base()
+        print(f"patches/{base + '/' if base else ''} is up to date (no byte changed)")
     for name in written:
         print(f"  wrote {name}")
     for name in removed:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError
+from . import sources as sources_mod
 from .series import CLEAN, GROUPS, classify, load_series, read_series, series_dir
 from .upstream import REPO, obtain_tree
 
@@ -132,17 +133,62 @@ def _tracked(ws):
 
 
 def _dirty(ws):
-    """Return the edits in megatron/ (and tests/unit_tests/) not yet in a queue commit.
+    """Return the edits in megatron/ (and tests/unit_tests/) not yet in a queue commit or patches/.
 
-    The repository's .gitignore ignores both as a whole, so new files are listed without
-    ignore rules, minus Python caches.
+    The repository's .gitignore ignores both apart from the fork's source files, so new files are
+    listed without ignore rules, minus Python caches. A source file counts only where it differs
+    from what the base's patches create: one that merely lags behind patches/ (after a git pull),
+    or that this base does not carry, holds no work.
     """
     paths = _tracked(ws)
     if not paths:
         return ""
-    changed = pq(ws, "status", "--porcelain", "--untracked-files=no", "--", *paths)
-    new = pq(ws, "ls-files", "--others", "--", *paths, *PY_CACHE).splitlines()
+    settled = [f":(exclude){path}" for path in _settled_sources(ws)]
+    changed = pq(ws, "status", "--porcelain", "--untracked-files=no", "--", *paths, *settled)
+    new = pq(ws, "ls-files", "--others", "--", *paths, *PY_CACHE, *settled).splitlines()
     return "\n".join(changed.splitlines() + [f"?? {path}" for path in new])
+
+
+def _settled_sources(ws):
+    """Sources whose bytes on disk are the patches' (or that the materialized base lacks)."""
+    base = ws.base()
+    carried = {}
+    if base is not None and ws.patch_dir(base).is_dir():
+        for patch in load_series(ws.patch_dir(base)):
+            carried.update(sources_mod.created(patch.path.read_text()))
+    settled = []
+    for path in sources_mod.paths(ws.patch_root):
+        source = ws.root / path
+        if path not in carried or (source.is_file() and source.read_text() == carried[path]):
+            settled.append(path)
+    return settled
+
+
+def _fold_sources(ws):
+    """Fold edited source files into the queue commits that create them."""
+    edited = pq(ws, "diff", "--name-only", "HEAD", "--", *sources_mod.paths(ws.patch_root))
+    targets = {}
+    for path in edited.split():
+        sha = pq(ws, "log", "--diff-filter=A", "--format=%H", "base..HEAD", "--", path).split()
+        if sha:
+            targets.setdefault(sha[-1], []).append(path)
+    for sha, paths in targets.items():
+        pq(ws, "add", "-f", "--", *paths)
+        pq(ws, "commit", "-q", f"--fixup={sha}")
+    if targets:
+        pq(ws, "rebase", "-q", "-i", "--autosquash", "base", env={"GIT_SEQUENCE_EDITOR": "true"})
+
+
+def _unsourced_files(ws):
+    """Files in megatron/ other than the fork's sources (a tree that materialize did not make)."""
+    known = set(sources_mod.paths(ws.patch_root))
+    return [
+        p
+        for p in ws.tree.rglob("*")
+        if p.is_file()
+        and p.relative_to(ws.root).as_posix() not in known
+        and "__pycache__" not in p.parts
+    ]
 
 
 def queue_state(ws=DEFAULT):
@@ -156,6 +202,8 @@ def queue_state(ws=DEFAULT):
     if not ws.tree.exists():
         return []
     if not ws.pq.exists():
+        if not _unsourced_files(ws):
+            return []  # a fresh clone: megatron/ holds the fork's source files only
         return ["megatron/ exists but .pq/ does not: it was not made by materialize"]
     problems = []
     dirty = _dirty(ws)
@@ -375,7 +423,9 @@ def materialize(
                 (git_dir / BASE_FILE).write_text(base_name + "\n")
                 git(tmp, git_dir, "config", "core.worktree", str(ws.root))
                 git(tmp, git_dir, "config", "status.showUntrackedFiles", "no")
+                kept = sources_mod.snapshot(ws.root, ws.patch_root)
                 _swap(ws, tmp / "megatron", ws.tree, tmp / ".pq", ws.pq, extra=(UNIT_TESTS,))
+                sources_mod.restore(ws.root, kept)  # the fork's sources are never overwritten
             except OSError as exc:
                 raise io_error(exc, f"cannot place the new tree at {ws.root}") from exc
             return [p.name for p in patches]
@@ -543,9 +593,13 @@ def write_series(patch_dir, rendered, protect=()):
 
 
 def export(ws=DEFAULT):
-    """Write the queue's commits to patches/<base>/ and its series; return (written, removed)."""
+    """Write the queue's commits to patches/<base>/, then every source file into each base's
+    patches; return (written, removed). Without a queue only the source files are written."""
     if not ws.pq.exists():
+        if ws.tree.exists() and not _unsourced_files(ws):
+            return sync_sources(ws), []
         raise ForkError("no patch queue: run `tools/fork.py materialize` first", EXIT_USAGE)
+    _fold_sources(ws)
     dirty = _dirty(ws)
     if dirty:
         raise ForkError(
@@ -565,7 +619,15 @@ def export(ws=DEFAULT):
         pq(ws, "rev-list", "--reverse", "base..HEAD").split(), rendered)}  # fmt: skip
     (ws.pq / NAMES_FILE).write_text("".join(f"{s}\t{n}\n" for s, n in names.items()))
     (ws.pq / APPLIED_FILE).write_text(_fingerprint(rendered))
-    return written, removed
+    base = ws.base()
+    written = [f"{base}/{n}" for n in written]
+    written += [n for n in sync_sources(ws) if n not in written]
+    return written, [f"{base}/{n}" for n in removed]
+
+
+def sync_sources(ws):
+    """Write the fork's source files into every base's patches; return the entries rewritten."""
+    return sources_mod.sync(ws.root, ws.patch_root, GIT_ENV, EXPORT_OPTS, FORMAT_OPTS)
 
 
 def commit(ws=DEFAULT, to=None, new=None, message_file=None):
@@ -579,7 +641,9 @@ def commit(ws=DEFAULT, to=None, new=None, message_file=None):
     """
     if bool(to) == bool(new):
         raise ForkError("commit needs exactly one of --to PATCH or --new SUBJECT", EXIT_USAGE)
-    pq(ws, "add", "-A", "-f", "--", *_tracked(ws), *PY_CACHE)
+    _fold_sources(ws)  # a source file's edits belong to the patch that creates it
+    settled = [f":(exclude){path}" for path in _settled_sources(ws)]
+    pq(ws, "add", "-A", "-f", "--", *_tracked(ws), *PY_CACHE, *settled)
     if new:
         body = Path(message_file).read_text() if message_file else ""
         pq(ws, "commit", "-q", "-m", f"{new}\n\n{body}".rstrip() + "\n")

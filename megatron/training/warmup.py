@@ -1,0 +1,319 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
+"""``--warmup-train-steps N``: synthetic training steps at the start of train(), then an exact
+restore, so one-time costs (kernel selection, allocator growth, communicator set-up, compilation)
+fall outside every logged iteration and the real run starts as it would have without them.
+
+The steps run with what train() installs (training.install_train_loop_hooks, which train() itself
+calls); state_snapshot.py captures and restores the state.
+"""
+
+import contextlib
+import gc
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+
+from megatron.training.state_snapshot import TrainingStateSnapshot, sub_optimizers
+
+# Model-config fields install_train_loop_hooks() sets; put back after the steps.
+CONFIG_CALLBACKS = tuple(
+    'no_sync_func grad_sync_func param_sync_func finalize_model_grads_func grad_scale_func'.split()
+)
+# train_step()'s per-iteration dumps, off while the warmup runs.
+_DUMPS = [
+    f'save_{k}_interval' for k in 'params activations tokens_per_expert wgrads dgrads'.split()
+]
+# Flags (of the args or of an optimizer's config) whose state the restore does not cover.
+_UNSUPPORTED_FLAGS = (
+    'use_megatron_fsdp use_torch_fsdp2 perform_rl_step optimizer_cpu_offload '
+    'chunked_optimizer_state_offload offload_optimizer_states'
+).split()
+
+
+class WarmupUnsupportedError(ValueError):
+    """The run uses a combination the warmup cannot run and restore exactly."""
+
+
+class WarmupPeerError(RuntimeError):
+    """A warmup step raised on another rank; this rank restored its state as well."""
+
+
+@dataclass
+class WarmupReport:
+    """What a warmup did: steps, bytes staged in host memory, DDP bucket groups reset (collectives
+    drained; groups whose own calibration was kept), each step's loss and the wall time."""
+
+    num_steps: int = 0
+    host_staging_bytes: int = 0
+    bucket_groups_reset: int = 0
+    collectives_drained: int = 0
+    calibration_kept: int = 0
+    losses: List[Any] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _unsupported(what: str) -> WarmupUnsupportedError:
+    return WarmupUnsupportedError(f'--warmup-train-steps does not support {what}')
+
+
+def pipeline_layout(model, config, args) -> tuple:
+    """(pipeline size, pipeline rank) as the schedules see them. The args, the model config and
+    the process groups must agree, with one model chunk per virtual pipeline stage; otherwise
+    WarmupUnsupportedError names what disagrees.
+
+    Args:
+        model: list of model chunks.
+        config: the model config the schedules read.
+        args: Megatron global args.
+    """
+    from megatron.core import parallel_state
+
+    groups = parallel_state.model_parallel_is_initialized()
+    layout = []
+    for name in ('pipeline_model_parallel_size', 'virtual_pipeline_model_parallel_size'):
+        sizes = {'args': getattr(args, name, None), 'model config': getattr(config, name, None)}
+        if groups:
+            sizes['process groups'] = getattr(parallel_state, f'get_{name[:-5]}_world_size')()
+        sizes = {where: int(size or 1) for where, size in sizes.items()}
+        if len(set(sizes.values())) > 1:
+            found = ', '.join(f'{size} in the {where}' for where, size in sizes.items())
+            raise _unsupported(f'an inconsistent layout ({name}: {found})')
+        layout.append(max(sizes.values()))
+    if len(model) != layout[1]:
+        raise _unsupported(
+            f'{len(model)} model chunks with virtual_pipeline_model_parallel_size={layout[1]} '
+            '(one chunk per virtual pipeline stage)'
+        )
+    return layout[0], parallel_state.get_pipeline_model_parallel_rank() if groups else 0
+
+
+def _failed_ranks(failed: bool) -> List[int]:
+    """The ranks on which the current step raised (one small all-reduce over the world), so that
+    every rank restores and raises, not only the failing one."""
+    if not torch.distributed.is_initialized():
+        return [0] if failed else []
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 'cpu'
+    flags = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int32, device=device)
+    flags[torch.distributed.get_rank()] = int(failed)
+    torch.distributed.all_reduce(flags)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+def check_warmup_supported(model, optimizer, config, args) -> None:
+    """Raise WarmupUnsupportedError naming the first unsupported combination.
+
+    Args:
+        model: list of model chunks.
+        optimizer: the Megatron optimizer (None is unsupported).
+        config: the model config the schedules read.
+        args: Megatron global args.
+    """
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.tensor_parallel import random as tp_random
+
+    pipeline_layout(model, config, args)
+    if optimizer is None:
+        raise WarmupUnsupportedError('--warmup-train-steps needs an optimizer (got None)')
+    configs = [('', args)] + [
+        (' (optimizer config)', opt.config) for opt in sub_optimizers(optimizer)
+    ]
+    for name in _UNSUPPORTED_FLAGS:
+        for where, obj in configs:
+            if getattr(obj, name, False):
+                raise _unsupported(f'--{name.replace("_", "-")}{where}')
+    if not all(isinstance(chunk, DDP) for chunk in model):
+        raise _unsupported(f'model chunks that are not Megatron DDP ({type(model[0]).__name__})')
+    for name in ('fp8', 'fp4'):
+        if getattr(config, name, None):  # TE keeps amax histories and scales outside the modules
+            raise WarmupUnsupportedError(
+                f'--warmup-train-steps cannot restore Transformer Engine {name.upper()} scaling '
+                f'state yet ({name}={getattr(config, name)!r}, '
+                f'{name}_recipe={getattr(config, f"{name}_recipe", None)!r})'
+            )
+    graph_safe = tp_random.is_graph_safe_cuda_rng_tracker(tp_random.get_cuda_rng_tracker())
+    if graph_safe and 'kind' not in inspect.signature(tp_random._set_all_rng_states).parameters:
+        # This release's RNG snapshot keeps live generator handles, so its restore is a no-op.
+        raise _unsupported('a graph-safe CUDA RNG tracker (--te-rng-tracker, CUDA graphs) here')
+
+
+def _calibration_is_real(config, args) -> bool:
+    """Whether the grad-ready counts the steps record are a first real step's: train()'s
+    no_sync_func lets only the last microbatch register, and no MoE router picks per batch which
+    expert params get a grad."""
+    return bool(
+        args.overlap_grad_reduce
+        and config.no_sync_func is not None
+        and not getattr(config, 'num_moe_experts', None)
+    )
+
+
+@contextlib.contextmanager
+def _outside_timers_and_dumps(args):
+    """Switch train_step()'s dumps off and give every timer its previous elapsed time back."""
+    from megatron.training.global_vars import get_timers
+
+    dumps = {name: getattr(args, name) for name in _DUMPS if getattr(args, name, None)}
+    for name in dumps:
+        setattr(args, name, None)
+    try:
+        # Timers has no public way to list its timers, hence the read of its _timers dict.
+        timers = get_timers()._timers
+    except AssertionError:  # timers not set up (a loop outside pretrain())
+        timers = {}
+    elapsed = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
+    try:
+        yield
+    finally:
+        for name, value in dumps.items():
+            setattr(args, name, value)
+        for name, timer in list(timers.items()):  # those the steps created read 0, as if reset
+            timer.set_elapsed(elapsed.get(name, 0.0))
+
+
+def synthetic_gpt_batches(args, seed_offset: int = 9973) -> Iterator[dict]:
+    """Endless GPT-style micro-batches at the training micro-batch size, from a private generator.
+
+    Args:
+        args: Megatron global args (micro_batch_size, seq_length, padded_vocab_size, seed).
+        seed_offset: added to args.seed for the private generator.
+    """
+    mbs, seq = args.micro_batch_size, args.seq_length
+    vocab = getattr(args, 'padded_vocab_size', None) or getattr(args, 'vocab_size', None) or 1024
+    gen = torch.Generator().manual_seed(int(args.seed) + seed_offset)
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(mbs, -1).contiguous()
+    while True:
+        tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen, dtype=torch.long)
+        batch = {'tokens': tokens[:, :-1].contiguous(), 'labels': tokens[:, 1:].contiguous()}
+        batch.update(loss_mask=torch.ones(mbs, seq), position_ids=position_ids)
+        if getattr(args, 'create_attention_mask_in_dataloader', False):
+            mask = ~torch.tril(torch.ones(seq, seq, dtype=torch.bool))
+            batch['attention_mask'] = mask.expand(mbs, 1, seq, seq).contiguous()
+        yield batch
+
+
+def run_warmup(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    config,
+    num_steps: Optional[int] = None,
+    data_iterator=None,
+    step_fn: Optional[Callable] = None,
+    args=None,
+) -> WarmupReport:
+    """Run ``num_steps`` synthetic training steps as train() runs them, then restore all state
+    exactly, also when a step raises (the exception is re-raised after the restore). train()
+    calls it with train_step()'s arguments before its own loop set-up.
+
+    Args:
+        forward_step_func: the training forward step, as passed to train_step().
+        model: list of model chunks (Megatron DDP).
+        optimizer: the Megatron optimizer.
+        opt_param_scheduler: the OptimizerParamScheduler, or None.
+        config: the model config (``get_model_config(model[0])``).
+        num_steps: number of warmup steps (default: ``args.warmup_train_steps``); 0 does nothing.
+        data_iterator: micro-batches as train_step() takes them (RerunDataIterator, a list per
+            model chunk). Default: ``forward_step_func.warmup_batch_iterator(args)`` where the
+            forward step carries one (a forward step that does not take GPT-style batches), else
+            synthetic_gpt_batches(args), on the stages that read batches.
+        step_fn: callable with train_step()'s signature (default: training.train_step).
+        args: Megatron global args (default: get_args()).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training import training
+    from megatron.training.global_vars import get_args
+    from megatron.training.utils import print_rank_0
+
+    args = args if args is not None else get_args()
+    num_steps = args.warmup_train_steps if num_steps is None else num_steps
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ValueError(f'warmup_train_steps must be a non-negative integer, got {num_steps!r}')
+    if num_steps == 0:
+        return WarmupReport()
+    model = model if isinstance(model, list) else [model]
+    check_warmup_supported(model, optimizer, config, args)
+    if data_iterator is None:
+        # Batches for the first chunk of the first stage and the last chunk of the last stage;
+        # the others read none (as pretrain_gpt's get_batch). Each stage draws the same ones.
+        make = getattr(forward_step_func, 'warmup_batch_iterator', synthetic_gpt_batches)
+        size, rank = pipeline_layout(model, config, args)
+        stages = ((0, 0), (size - 1, len(model) - 1))
+        data_iterator = [
+            RerunDataIterator(make(args)) if (rank, i) in stages else None
+            for i in range(len(model))
+        ]
+        data_iterator = data_iterator if len(model) > 1 else data_iterator[0]
+    step_args = (forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config)
+    step_args += (get_forward_backward_func(),)
+
+    start, report = time.time(), WarmupReport(num_steps=num_steps)
+    snapshot = TrainingStateSnapshot(model, optimizer, opt_param_scheduler, args)
+    report.host_staging_bytes = snapshot.nbytes
+    callbacks = {name: getattr(config, name) for name in CONFIG_CALLBACKS}
+    hooks = [bool(chunk.remove_forward_pre_hook_handles) for chunk in model]
+    step_failed, keep_calibration = True, False
+    try:
+        with _outside_timers_and_dumps(args):
+            for chunk in model:
+                chunk.train()
+            param_sync_func = training.install_train_loop_hooks(model, optimizer, config, args)
+            keep_calibration = _calibration_is_real(config, args)
+            hooks_pending = training.should_disable_forward_pre_hook(args)
+            for step in range(num_steps):
+                error = None
+                try:
+                    result = (step_fn or training.train_step)(*step_args, iteration=args.iteration)
+                except Exception as exc:  # pylint: disable=broad-except
+                    error = exc
+                # A step that raised on one rank (pipeline stage) fails it on every rank.
+                failed = _failed_ranks(error is not None)
+                if failed:
+                    raise error or WarmupPeerError(
+                        f'warmup step {step + 1} failed on rank(s) {failed}; restored here too'
+                    )
+                report.losses.append(result[0])
+                if hooks_pending and not result[1]:  # as train(), after a step that ran
+                    training.enable_forward_pre_hook(model)
+                    config.param_sync_func = param_sync_func
+                    hooks_pending = False
+        step_failed = False
+    finally:
+        for name, value in callbacks.items():
+            setattr(config, name, value)
+        for chunk, enabled in zip(model, hooks):
+            if chunk.use_forward_hook and bool(chunk.remove_forward_pre_hook_handles) != enabled:
+                if enabled:
+                    chunk.enable_forward_pre_hook()
+                else:
+                    chunk.disable_forward_pre_hook(param_sync=False)
+        try:
+            restored = snapshot.restore(keep_calibration and not step_failed)
+            report.bucket_groups_reset, report.collectives_drained, report.calibration_kept = (
+                restored
+            )
+            print_rank_0(
+                f'[warmup] Reset DDP grad-ready calibration on {restored[0]} bucket groups '
+                f'({restored[1]} outstanding collectives drained; '
+                f'calibration kept on {restored[2]})'
+            )
+        except Exception as restore_error:  # pylint: disable=broad-except
+            if not step_failed:
+                raise
+            # Keep the warmup step's exception, which is the one worth seeing.
+            print_rank_0(f'[warmup] restore after a failed step also failed: {restore_error!r}')
+        gc.collect()  # the warmup's garbage, now rather than inside the first real iterations
+        report.seconds = time.time() - start
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank starts its first real step together
+    print_rank_0(
+        f'[warmup] Ran {num_steps} warmup train steps in {report.seconds:.2f}s and restored the '
+        f'model, optimizer, scheduler, RNG and counters ({snapshot.nbytes / 2**20:.1f} MiB '
+        'staged in host memory)'
+    )
+    return report

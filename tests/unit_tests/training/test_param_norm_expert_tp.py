@@ -1,0 +1,81 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.training.utils import common_utils
+from tests.unit_tests.test_utilities import Utils
+
+
+class _RankGroup:
+    """Stands in for the dense TP group in the duplicate filter, which only asks for the rank."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class DenseAndExpertParams(torch.nn.Module):
+    """A replicated dense param and an expert param (allreduce=False), neither TP-split."""
+
+    def __init__(self, dense_numel: int, expert_numel: int):
+        super().__init__()
+        self.dense = torch.nn.Parameter(torch.ones(dense_numel))
+        self.expert = torch.nn.Parameter(torch.ones(expert_numel))
+        self.expert.allreduce = False
+
+
+@pytest.fixture
+def fp32_args(monkeypatch):
+    """calc_params_l2_norm reads two flags from the global args."""
+    monkeypatch.setattr(
+        common_utils, "get_args", lambda: SimpleNamespace(use_megatron_fsdp=False, bf16=False)
+    )
+
+
+class TestParamNormExpertTensorParallelGroup:
+    """calc_params_l2_norm must deduplicate expert params over the expert TP group."""
+
+    def teardown_method(self, method):
+        Utils.destroy_model_parallel()
+
+    def test_expert_param_counted_on_dense_tp_rank_one(self, fp32_args, monkeypatch):
+        """World 1, simulating dense TP rank 1 with ETP = 1.
+
+        The dense TP rank is stubbed to 1 in both places it can be read from (the global
+        rank and the TP group); the expert TP group is the real one (rank 0). The dense param is
+        a TP duplicate there, the expert param is this rank's own: norm sqrt(expert_numel).
+        """
+        Utils.initialize_model_parallel()
+        monkeypatch.setattr(tp_layers, "get_tensor_model_parallel_rank", lambda: 1)
+        monkeypatch.setattr(
+            parallel_state, "get_tensor_model_parallel_group", lambda *a, **k: _RankGroup(1)
+        )
+        model = DenseAndExpertParams(4, 3).cuda()
+        assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(3))
+
+    def test_all_params_counted_on_tp_rank_zero(self, fp32_args):
+        """World 1 without stubs: every param counts (unchanged behaviour)."""
+        Utils.initialize_model_parallel()
+        model = DenseAndExpertParams(4, 3).cuda()
+        assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(7))
+
+    def test_tp_equals_ep_equals_world_with_etp_one(self, fp32_args):
+        """Multi-rank oracle: one dense and one distinct expert scalar per rank, all ones."""
+        world = Utils.world_size
+        if world < 2:
+            pytest.skip("needs world size >= 2 (TP = EP = world, ETP = 1)")
+        Utils.initialize_model_parallel(
+            tensor_model_parallel_size=world,
+            expert_model_parallel_size=world,
+            expert_tensor_parallel_size=1,
+        )
+        model = DenseAndExpertParams(1, 1).cuda()
+        assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(1 + world))
