@@ -29,6 +29,7 @@ from megatron_fork import (  # noqa: E402  pylint: disable=C0413
     manifest,
     queue,
     series,
+    sources,
     upstream,
 )
 
@@ -39,7 +40,7 @@ except ImportError:  # building metadata only
 
 PIN = upstream.load_pin()
 WS = queue.Workspace(HERE)
-if not WS.tree.exists():
+if WS.base() is None:  # a fresh clone's megatron/ holds only the fork's source files
     BASE = os.environ.get("MEGATRON_FORK_BASE") or PIN["default"]
     subprocess.run(
         [sys.executable, str(HERE / "tools" / "fork.py"), "materialize", "--base", BASE], check=True
@@ -99,6 +100,10 @@ class BuildPyWithManifest(build_py):
     def run(self):
         """Build, then pin the version line and write the manifest into the build tree."""
         super().run()
+        # The fork's sources that this base's series does not create stay in megatron/ (they
+        # are tracked files) but are no part of this base's build.
+        for rel in sources.foreign(WS.patch_root, BASE):
+            (Path(self.build_lib) / rel).unlink(missing_ok=True)
         info = Path(self.build_lib) / "megatron" / "core" / "package_info.py"
         info.write_text(info.read_text() + VERSION_LINE.format(VERSION))
         data = manifest.build_manifest(self.build_lib, PIN, BASE, PATCHES, VERSION)
