@@ -499,8 +499,11 @@ def _known_names(ws):
     return dict(line.split("\t", 1) for line in path.read_text().splitlines() if "\t" in line)
 
 
-def _slug(subject):
-    return re.sub(r"[^A-Za-z0-9_.]+", "-", subject).strip("-.")[:52].rstrip("-.")
+def _slug(subject, message=""):
+    """A new patch's file name after its number: the ``Fork-Change:`` slug (the change's one
+    name), else the whole subject made file-safe (never cut)."""
+    change = re.search(r"(?m)^Fork-Change:\s*(\S+)\s*$", message)
+    return change.group(1) if change else re.sub(r"[^A-Za-z0-9_.]+", "-", subject).strip("-.")
 
 
 def _next_number(ws, known):
@@ -535,7 +538,8 @@ def render_commits(work_tree, git_dir, revs, known=None, next_number=1, group=GR
         subject = git(work_tree, git_dir, "log", "-1", "--format=%s", sha).strip()
         name = known.get(subject)
         if name is None:
-            name = f"{group}/{next_number:04d}-{_slug(subject)}.patch"
+            message = git(work_tree, git_dir, "log", "-1", "--format=%B", sha)
+            name = f"{group}/{next_number:04d}-{_slug(subject, message)}.patch"
             next_number += 1
         if name in rendered:
             raise ForkError(f"two queue commits export to {name}; give them distinct subjects")
