@@ -177,6 +177,7 @@ def _fold_sources(ws):
         pq(ws, "commit", "-q", f"--fixup={sha}")
     if targets:
         pq(ws, "rebase", "-q", "-i", "--autosquash", "base", env={"GIT_SEQUENCE_EDITOR": "true"})
+    return sorted(p for paths in targets.values() for p in paths)
 
 
 def _unsourced_files(ws):
@@ -645,9 +646,11 @@ def commit(ws=DEFAULT, to=None, new=None, message_file=None):
     """
     if bool(to) == bool(new):
         raise ForkError("commit needs exactly one of --to PATCH or --new SUBJECT", EXIT_USAGE)
-    _fold_sources(ws)  # a source file's edits belong to the patch that creates it
+    folded = _fold_sources(ws)  # a source file's edits belong to the patch that creates it
     settled = [f":(exclude){path}" for path in _settled_sources(ws)]
     pq(ws, "add", "-A", "-f", "--", *_tracked(ws), *PY_CACHE, *settled)
+    if folded and not pq(ws, "diff", "--cached", "--name-only").strip():
+        return  # only source files were edited, and they are in their patches' commits now
     if new:
         body = Path(message_file).read_text() if message_file else ""
         pq(ws, "commit", "-q", "-m", f"{new}\n\n{body}".rstrip() + "\n")
