@@ -258,6 +258,34 @@ def test_series_entry_without_file_and_file_not_in_series(sandbox):
     )
 
 
+def test_a_patch_message_over_40_lines_fails_check(tmp_path):
+    """check names a patch whose message (Subject to the diffstat) is over 40 lines, with its
+    length; 40 lines pass."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from megatron_fork import check  # pylint: disable=import-outside-toplevel
+
+    work = tmp_path / "work"
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    (work / "a.py").parent.mkdir(parents=True)
+    (work / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    patch_dir = tmp_path / "patches" / BASE
+    patch_dir.mkdir(parents=True)
+    for name, body_lines in (("0001-short.patch", 36), ("0002-long.patch", 37)):
+        (work / "a.py").write_text(f"x = {body_lines}\n")
+        body = "\n".join(f"line {i}" for i in range(body_lines))
+        message = f"test: {name}\n\n{body}\n\nUpstream-Status: not-forwarded"
+        subprocess.run([*git, "commit", "-qam", message], check=True)
+        (patch_dir / name).write_text(format_patch(git))
+    (patch_dir / "series").write_text("0001-short.patch\n0002-long.patch\n")
+    assert check.message_lines(patch_dir / "0001-short.patch") == 40
+    assert check.metadata_failures(BASE, patch_dir, {}) == [
+        f"patches/{BASE}/0002-long.patch: message is 41 lines, over 40"
+    ]
+
+
 def test_wheel_hash_mismatch_is_refused(sandbox, tmp_path):
     bad_dir = tmp_path / "wheels"
     bad_dir.mkdir()

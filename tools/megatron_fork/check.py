@@ -12,6 +12,17 @@ from . import queue as queue_mod
 from . import series as series_mod
 from . import sources as sources_mod
 
+MAX_MESSAGE_LINES = 40
+
+
+def message_lines(path):
+    """Lines of a patch's message: from ``Subject:`` to the line before the ``---`` that starts
+    the diffstat (or before the first ``diff --git``), trailers included."""
+    lines = Path(path).read_text().split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("Subject: "))
+    ends = (i for i, line in enumerate(lines) if line == "---" or line.startswith("diff --git "))
+    return next(ends, len(lines)) - start
+
 
 def _number(name):
     m = re.match(r"^(\d{4})-", name.rsplit("/", 1)[-1])
@@ -48,6 +59,9 @@ def metadata_failures(base, patch_dir, changes):
         seen.append(patch.basename)
         if not patch.upstream_status:
             failures.append(f"{patch.name} has no Upstream-Status trailer")
+        length = message_lines(patch.path)
+        if length > MAX_MESSAGE_LINES:
+            failures.append(f"{patch.where}: message is {length} lines, over {MAX_MESSAGE_LINES}")
         group = patch.name.split("/")[0] if "/" in patch.name else None
         if changes:
             entry = changes.get(patch.change)
