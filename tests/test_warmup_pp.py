@@ -40,6 +40,12 @@ COMBOS = {
 EXACT = {
     ws: call(ws, 'fork', S + 'scenario_exactness', combos=combos) for ws, combos in COMBOS.items()
 }
+# MoE, 2 experts on one rank; expert 1 gets tokens in the warmup and none in the real steps.
+MOE = 'scenario_moe_zero_tokens'
+MOE_ZERO_TOKENS = {
+    (skip, keep_all): call(1, 'fork', S + MOE, skip_empty=skip, keep_all=keep_all)
+    for skip, keep_all in ((False, False), (True, False), (True, True))
+}
 # The fault is raised on the first stage's rank 0 only, after that rank's schedule ran.
 FAULT = {ws: call(ws, 'fork', S + 'scenario_fault', pp=2, fail_rank=0) for ws in (2, 4)}
 
@@ -76,10 +82,12 @@ def test_exact_restore_pipeline_and_expert_layouts(ws):
             vpp = combo.get('vpp', 1)
             assert r['final']['n_expert_bucket_groups'] >= vpp, combo
             assert fork['groups_reset'] >= 2 * vpp, combo
-            if combo.get('moe') and not combo.get('resume'):
-                # MoE never keeps the warmup's own calibration (a resumed loop gets back the one
-                # its real steps recorded before the warmup).
-                assert fork['calibration_kept'] == 0, (rank, combo)
+            if combo.get('moe') and layout['pp'] == 1:
+                # Upstream's MoELayer with SequentialMLP experts: every expert param registers
+                # its grad whatever the routing, so the warmup's calibration is kept on every
+                # group, expert groups included (test_moe_calibration_kept_only_where_no_router_
+                # can_withhold_a_grad).
+                assert fork['calibration_kept'] == fork['groups_reset'], (rank, combo)
             # ChainedOptimizer: dense and expert sub-optimizers, both with state after training.
             assert all(n > 0 for n in r['final']['optimizer_state_entries']), combo
             if combo.get('resume'):
@@ -133,3 +141,35 @@ def test_naive_warmup_breaks_pristine_pipeline(ws):
         assert res['none']['error'] is None, rank  # without the warmup it trains
         if res['layout']['pp_rank'] == 0:
             assert res['naive']['error'] == NOT_ISSUED, rank
+
+
+def test_moe_calibration_kept_only_where_no_router_can_withhold_a_grad():
+    """The warmup keeps its grad-ready calibration on an expert param only where the experts
+    layer registers that param's grad whatever the router sends it.
+
+    Upstream's SequentialMLP runs every local expert, also on an empty slice: expert 0, which got
+    no token in the warmup, and expert 1, which gets none in the real steps, register a (zero)
+    grad in every step, so the warmup's calibration is the real one and is kept on every group;
+    training is bitwise the run without warmup. A subclass that skips an expert without tokens
+    (a param can miss its grad): its expert groups are reset, the dense ones kept, training is
+    bitwise the run without warmup. Counterfactual: keeping every group (no router rule) kills
+    the first real step with DDP's assertion, where the run without warmup trains."""
+    safe, skipping, kept_all = (r.result()[0] for r in MOE_ZERO_TOKENS.values())
+    for res in (safe, skipping, kept_all):
+        assert res['none']['error'] is None and res['none']['tokens']['real'] == [[4, 0]] * 3
+    for res in (safe, skipping):
+        fork = res['fork']
+        assert fork['error'] is None and fork['identical_to_no_warmup'], fork
+        assert fork['tokens'] == {'warmup': [[0, 4]] * 2, 'real': [[4, 0]] * 3}
+    assert safe['fork']['experts_type'] == 'SequentialMLP'
+    assert safe['fork']['calibration_kept'] == safe['fork']['groups_reset'] == 9
+    # One param per bucket group: the 4 expert weights reset, the 5 dense params kept.
+    assert skipping['fork']['experts_type'] == 'SkippingSequentialMLP'
+    assert (skipping['fork']['groups_reset'], skipping['fork']['calibration_kept']) == (9, 5)
+    assert kept_all['fork']['error'].startswith(
+        'AssertionError: Communication call has not been issued for this bucket (0/1 params '
+        'have grad available).'
+    )
+    assert 'did not register a grad in this batch: moe.experts.local_experts.1.linear_fc2' in (
+        kept_all['fork']['error']
+    )

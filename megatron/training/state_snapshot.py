@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 # Counters on the global args that train_step() or train() advance.
 ARGS_COUNTERS = ('iteration', 'curr_iteration', 'consumed_train_samples', 'skipped_train_samples')
@@ -83,14 +83,17 @@ class TrainingStateSnapshot:
         self.rerun_state = (self.rerun.current_iteration, self.rerun.state)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies to pinned host memory
-        # python, numpy, then tensor_parallel/random.py's own helper: torch CPU and device RNG and
-        # the Megatron CUDA RNG tracker.
-        self.rng = (random.getstate(), np.random.get_state(), tp_random._get_all_rng_states())
+        # python, numpy, torch CPU and device, and the Megatron CUDA RNG tracker: a copy of its
+        # dict of states, each of which fork() replaces rather than writes into (a graph-safe
+        # tracker, whose states are live generator handles, is refused by the warmup).
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.rng += (torch.cuda.get_rng_state(), get_cuda_rng_tracker().get_states())
 
-    def restore(self, keep_calibration: bool = False) -> tuple:
+    def restore(self, keep_calibration: bool = False, routed=()) -> tuple:
         """Put everything back; returns (DDP bucket groups reset, collectives drained, bucket
         groups whose grad-ready calibration was kept). ``keep_calibration``: the steps ran as
-        train()'s do, so the counts they recorded are the ones a first real step would record.
+        train()'s do, so the counts they recorded are the ones a first real step would record,
+        except in bucket groups holding a param in ``routed`` (ids), which are reset.
 
         Every part runs even if an earlier one raises (e.g. draining a collective after a
         communication error), so the host-staged state is always put back; the first failure is
@@ -99,7 +102,9 @@ class TrainingStateSnapshot:
         failures, result = [], [(0, 0, 0)]
         for part in (
             lambda: result.append(
-                reset_ddp_grad_ready_calibration(self.model, keep_calibration, self.calibrated)
+                reset_ddp_grad_ready_calibration(
+                    self.model, keep_calibration, self.calibrated, routed
+                )
             ),
             self._zero_grads,
             self._restore_staged,
@@ -178,14 +183,18 @@ class TrainingStateSnapshot:
             torch.cuda.synchronize()
         random.setstate(self.rng[0])
         np.random.set_state(self.rng[1])
-        tp_random._set_all_rng_states(*self.rng[2])
+        torch.set_rng_state(self.rng[2])
+        torch.cuda.set_rng_state(self.rng[3])
+        get_cuda_rng_tracker().set_states(dict(self.rng[4]))
 
 
 def _bucket_groups(model) -> list:
     return [g for chunk in model for g in chunk.bucket_groups + chunk.expert_parallel_bucket_groups]
 
 
-def reset_ddp_grad_ready_calibration(model, keep_calibration: bool = False, calibrated=()) -> tuple:
+def reset_ddp_grad_ready_calibration(
+    model, keep_calibration: bool = False, calibrated=(), routed=()
+) -> tuple:
     """Drain every DDP bucket group and reset its grad-ready calibration (patch 0001).
 
     Args:
@@ -194,13 +203,18 @@ def reset_ddp_grad_ready_calibration(model, keep_calibration: bool = False, cali
             step overlaps its grad reduce as later ones do.
         calibrated: ids of the bucket groups whose counts real steps recorded before the warmup;
             kept whatever ``keep_calibration`` says.
+        routed: ids of the params whose counts may depend on the routing; the bucket groups
+            holding one are reset whatever ``keep_calibration`` says.
 
     Returns:
         (bucket groups reset, collectives drained, bucket groups with a calibration after it).
     """
     groups = _bucket_groups(model)
     drained = sum(
-        group.reset_grad_ready_calibration(keep_calibration or id(group) in calibrated)
+        group.reset_grad_ready_calibration(
+            id(group) in calibrated
+            or (keep_calibration and not any(id(param) in routed for param in group.params))
+        )
         for group in groups
     )
     return len(groups), drained, sum(not group.is_first_batch for group in groups)

@@ -4,13 +4,15 @@
 restore, so one-time costs (kernel selection, allocator growth, communicator set-up, compilation)
 fall outside every logged iteration and the real run starts as it would have without them.
 
-The steps run with what train() installs (training.install_train_loop_hooks, which train() itself
-calls); state_snapshot.py captures and restores the state.
+train() calls run_warmup() right after its own loop set-up (install_train_loop_hooks()), with its
+train_step and the param_sync_func that set-up held back, so the steps run under that very set-up
+and hand it back as the first real step expects it; state_snapshot.py captures and restores the
+state.
 """
 
 import contextlib
 import gc
-import inspect
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional
@@ -24,9 +26,13 @@ CONFIG_CALLBACKS = tuple(
     'no_sync_func grad_sync_func param_sync_func finalize_model_grads_func grad_scale_func'.split()
 )
 # train_step()'s per-iteration dumps, off while the warmup runs.
-_DUMPS = [
-    f'save_{k}_interval' for k in 'params activations tokens_per_expert wgrads dgrads'.split()
-]
+_DUMPS = (
+    'save_params_interval',
+    'save_activations_interval',
+    'save_tokens_per_expert_interval',
+    'save_wgrads_interval',
+    'save_dgrads_interval',
+)
 # Flags (of the args or of an optimizer's config) whose state the restore does not cover.
 _UNSUPPORTED_FLAGS = (
     'use_megatron_fsdp use_torch_fsdp2 perform_rl_step optimizer_cpu_offload '
@@ -45,7 +51,10 @@ class WarmupPeerError(RuntimeError):
 @dataclass
 class WarmupReport:
     """What a warmup did: steps, bytes staged in host memory, DDP bucket groups reset (collectives
-    drained; groups whose own calibration was kept), each step's loss and the wall time."""
+    drained; groups whose own calibration was kept), each step's loss and time, the steps the
+    loss scaler skipped, the wall time, and ``one_time_cost``: the first step's time minus the
+    median of the later ones (None with one step), i.e. what the warmup moved out of the real
+    run."""
 
     num_steps: int = 0
     host_staging_bytes: int = 0
@@ -53,6 +62,9 @@ class WarmupReport:
     collectives_drained: int = 0
     calibration_kept: int = 0
     losses: List[Any] = field(default_factory=list)
+    step_seconds: List[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    one_time_cost: Optional[float] = None
     seconds: float = 0.0
 
 
@@ -113,7 +125,10 @@ def check_warmup_supported(model, optimizer, config, args) -> None:
         args: Megatron global args.
     """
     from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        is_graph_safe_cuda_rng_tracker,
+    )
 
     pipeline_layout(model, config, args)
     if optimizer is None:
@@ -134,21 +149,67 @@ def check_warmup_supported(model, optimizer, config, args) -> None:
                 f'state yet ({name}={getattr(config, name)!r}, '
                 f'{name}_recipe={getattr(config, f"{name}_recipe", None)!r})'
             )
-    graph_safe = tp_random.is_graph_safe_cuda_rng_tracker(tp_random.get_cuda_rng_tracker())
-    if graph_safe and 'kind' not in inspect.signature(tp_random._set_all_rng_states).parameters:
-        # This release's RNG snapshot keeps live generator handles, so its restore is a no-op.
-        raise _unsupported('a graph-safe CUDA RNG tracker (--te-rng-tracker, CUDA graphs) here')
+    if is_graph_safe_cuda_rng_tracker(get_cuda_rng_tracker()):
+        # Its states are live generator handles: the snapshot of get_states() would not copy them.
+        raise _unsupported('a graph-safe CUDA RNG tracker (--te-rng-tracker, CUDA graphs)')
 
 
 def _calibration_is_real(config, args) -> bool:
     """Whether the grad-ready counts the steps record are a first real step's: train()'s
-    no_sync_func lets only the last microbatch register, and no MoE router picks per batch which
-    expert params get a grad."""
-    return bool(
-        args.overlap_grad_reduce
-        and config.no_sync_func is not None
-        and not getattr(config, 'num_moe_experts', None)
-    )
+    no_sync_func lets only the last microbatch register (routed expert params: see
+    _routed_params)."""
+    return bool(args.overlap_grad_reduce and config.no_sync_func is not None)
+
+
+def _routed_params(model, config) -> set:
+    """ids of the params whose grad-ready count may depend on what a router sends them, so that
+    the warmup's synthetic batches may calibrate them differently from the real ones.
+
+    Not counted: the experts of a MoELayer whose experts module is exactly SequentialMLP, which
+    runs every local expert, on an empty slice when it got no token (the weight grad of an empty
+    input is a zero tensor), or TEGroupedMLP, whose grouped GEMM returns a weight grad for every
+    expert whatever the token split. Counted: the experts of any other experts module (a subclass
+    may skip an expert that got no token) and, with num_moe_experts set, expert params
+    (``allreduce`` False) outside a MoELayer.
+    """
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    routed, in_moe_layers = set(), set()
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                params = {id(param) for param in module.experts.parameters()}
+                in_moe_layers |= params
+                if type(module.experts) not in (SequentialMLP, TEGroupedMLP):
+                    routed |= params
+        if getattr(config, 'num_moe_experts', None):
+            experts = {id(p) for p in chunk.parameters() if not getattr(p, 'allreduce', True)}
+            routed |= experts - in_moe_layers
+    return routed
+
+
+def _hold_loss_scale(optimizer) -> None:
+    """Set fp16's dynamic loss scale to 1 for the next warmup step.
+
+    The scaler starts at --initial-loss-scale (2**32 by default), where the fp16 grads overflow
+    and it skips the optimizer step until it has backed off, so no warmup step would reach the
+    optimizer step the warmup exists to warm. Unscaled grads overflow only where any scale
+    would; the snapshot puts the scaler's state back afterwards.
+    """
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    for opt in sub_optimizers(optimizer):
+        scaler = getattr(opt, 'grad_scaler', None)
+        if isinstance(scaler, DynamicGradScaler):
+            state = {'growth_tracker': 0, 'hysteresis_tracker': scaler.hysteresis}
+            scaler.load_state_dict({'scale': torch.ones_like(scaler.scale), **state})
+
+
+def _now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 @contextlib.contextmanager
@@ -160,18 +221,19 @@ def _outside_timers_and_dumps(args):
     for name in dumps:
         setattr(args, name, None)
     try:
-        # Timers has no public way to list its timers, hence the read of its _timers dict.
-        timers = get_timers()._timers
+        timers = get_timers()
     except AssertionError:  # timers not set up (a loop outside pretrain())
-        timers = {}
-    elapsed = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
+        timers = None
+    elapsed = (
+        {n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()} if timers else {}
+    )
     try:
         yield
     finally:
         for name, value in dumps.items():
             setattr(args, name, value)
-        for name, timer in list(timers.items()):  # those the steps created read 0, as if reset
-            timer.set_elapsed(elapsed.get(name, 0.0))
+        for name, timer in timers.get_all_timers().items() if timers else ():
+            timer.set_elapsed(elapsed.get(name, 0.0))  # those the steps created read 0
 
 
 def synthetic_gpt_batches(args, seed_offset: int = 9973) -> Iterator[dict]:
@@ -196,37 +258,42 @@ def synthetic_gpt_batches(args, seed_offset: int = 9973) -> Iterator[dict]:
 
 
 def run_warmup(
+    train_step_func: Callable,
     forward_step_func,
     model,
     optimizer,
     opt_param_scheduler,
     config,
+    param_sync_func: Optional[Callable] = None,
     num_steps: Optional[int] = None,
     data_iterator=None,
-    step_fn: Optional[Callable] = None,
     args=None,
 ) -> WarmupReport:
     """Run ``num_steps`` synthetic training steps as train() runs them, then restore all state
-    exactly, also when a step raises (the exception is re-raised after the restore). train()
-    calls it with train_step()'s arguments before its own loop set-up.
+    exactly, also when a step raises (the exception is re-raised after the restore).
+
+    train() calls it right after its loop set-up, install_train_loop_hooks(); code that runs
+    steps outside train() calls that function first too. The steps run under that set-up,
+    enabling the forward pre-hooks after the first successful step as train() does, and the
+    set-up is handed back as it was found: the config callbacks as installed, the pre-hooks
+    disabled and ``param_sync_func`` held back where install_train_loop_hooks() did so.
 
     Args:
+        train_step_func: the step train() runs (training.train_step), with its signature.
         forward_step_func: the training forward step, as passed to train_step().
         model: list of model chunks (Megatron DDP).
         optimizer: the Megatron optimizer.
         opt_param_scheduler: the OptimizerParamScheduler, or None.
         config: the model config (``get_model_config(model[0])``).
+        param_sync_func: what install_train_loop_hooks() returned (put on the config with the
+            pre-hooks after the first successful step, and held back again afterwards).
         num_steps: number of warmup steps (default: ``args.warmup_train_steps``); 0 does nothing.
         data_iterator: micro-batches as train_step() takes them (RerunDataIterator, a list per
-            model chunk). Default: ``forward_step_func.warmup_batch_iterator(args)`` where the
-            forward step carries one (a forward step that does not take GPT-style batches), else
-            synthetic_gpt_batches(args), on the stages that read batches.
-        step_fn: callable with train_step()'s signature (default: training.train_step).
+            model chunk). Default: synthetic_gpt_batches(args) on the stages that read batches.
         args: Megatron global args (default: get_args()).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.rerun_state_machine import RerunDataIterator
-    from megatron.training import training
     from megatron.training.global_vars import get_args
     from megatron.training.utils import print_rank_0
 
@@ -241,11 +308,10 @@ def run_warmup(
     if data_iterator is None:
         # Batches for the first chunk of the first stage and the last chunk of the last stage;
         # the others read none (as pretrain_gpt's get_batch). Each stage draws the same ones.
-        make = getattr(forward_step_func, 'warmup_batch_iterator', synthetic_gpt_batches)
         size, rank = pipeline_layout(model, config, args)
         stages = ((0, 0), (size - 1, len(model) - 1))
         data_iterator = [
-            RerunDataIterator(make(args)) if (rank, i) in stages else None
+            RerunDataIterator(synthetic_gpt_batches(args)) if (rank, i) in stages else None
             for i in range(len(model))
         ]
         data_iterator = data_iterator if len(model) > 1 else data_iterator[0]
@@ -257,18 +323,20 @@ def run_warmup(
     report.host_staging_bytes = snapshot.nbytes
     callbacks = {name: getattr(config, name) for name in CONFIG_CALLBACKS}
     hooks = [bool(chunk.remove_forward_pre_hook_handles) for chunk in model]
-    step_failed, keep_calibration = True, False
+    # install_train_loop_hooks() disabled the pre-hooks for the first step.
+    hooks_pending = any(chunk.use_forward_hook and not on for chunk, on in zip(model, hooks))
+    keep_calibration, routed = _calibration_is_real(config, args), _routed_params(model, config)
+    step_failed = True
     try:
         with _outside_timers_and_dumps(args):
             for chunk in model:
                 chunk.train()
-            param_sync_func = training.install_train_loop_hooks(model, optimizer, config, args)
-            keep_calibration = _calibration_is_real(config, args)
-            hooks_pending = training.should_disable_forward_pre_hook(args)
             for step in range(num_steps):
-                error = None
+                _hold_loss_scale(optimizer)
+                error, started = None, _now()
                 try:
-                    result = (step_fn or training.train_step)(*step_args, iteration=args.iteration)
+                    result = train_step_func(*step_args, iteration=args.iteration)
+                    report.step_seconds.append(_now() - started)
                 except Exception as exc:  # pylint: disable=broad-except
                     error = exc
                 # A step that raised on one rank (pipeline stage) fails it on every rank.
@@ -278,8 +346,10 @@ def run_warmup(
                         f'warmup step {step + 1} failed on rank(s) {failed}; restored here too'
                     )
                 report.losses.append(result[0])
+                report.skipped_steps += int(bool(result[1]))
                 if hooks_pending and not result[1]:  # as train(), after a step that ran
-                    training.enable_forward_pre_hook(model)
+                    for chunk in model:
+                        chunk.enable_forward_pre_hook()
                     config.param_sync_func = param_sync_func
                     hooks_pending = False
         step_failed = False
@@ -293,7 +363,7 @@ def run_warmup(
                 else:
                     chunk.disable_forward_pre_hook(param_sync=False)
         try:
-            restored = snapshot.restore(keep_calibration and not step_failed)
+            restored = snapshot.restore(keep_calibration and not step_failed, routed)
             report.bucket_groups_reset, report.collectives_drained, report.calibration_kept = (
                 restored
             )
@@ -311,9 +381,19 @@ def run_warmup(
         report.seconds = time.time() - start
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank starts its first real step together
+    first, later = report.step_seconds[0], report.step_seconds[1:]
+    cost = f'first step {first:.2f}s'
+    if later:
+        report.one_time_cost = first - statistics.median(later)
+        cost += (
+            f', later ones {statistics.median(later):.2f}s: {report.one_time_cost:.2f}s of '
+            'one-time cost moved out of the real run'
+        )
+    if report.skipped_steps:
+        cost += f'; {report.skipped_steps} skipped by the loss scaler'
     print_rank_0(
-        f'[warmup] Ran {num_steps} warmup train steps in {report.seconds:.2f}s and restored the '
-        f'model, optimizer, scheduler, RNG and counters ({snapshot.nbytes / 2**20:.1f} MiB '
-        'staged in host memory)'
+        f'[warmup] Ran {num_steps} warmup train steps in {report.seconds:.2f}s ({cost}) and '
+        'restored the model, optimizer, scheduler, RNG and counters '
+        f'({snapshot.nbytes / 2**20:.1f} MiB staged in host memory)'
     )
     return report

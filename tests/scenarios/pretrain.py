@@ -289,7 +289,7 @@ def _recorders(out):
                     'inside_train': out['inside_train'],
                     'real_train_steps_before': len(real_steps),
                     # train() creates its interval timer after the warmup hook.
-                    'interval_timer_before': 'interval-time' in get_timers()._timers,
+                    'interval_timer_before': 'interval-time' in get_timers().get_all_timers(),
                 }
                 out['warmup_calls'].append(call)
                 try:

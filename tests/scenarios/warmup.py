@@ -9,8 +9,11 @@ Arms:
     naive: the warmup most projects bolt on: train_step on synthetic data with the config as the
         boundary leaves it (optionally with finalize_model_grads installed), no restore. Works on
         any tree and reproduces the upstream DDP assertions at the first real step.
-    fork: megatron.training.warmup.run_warmup, or (path 'train') the hook train() calls at its
-        start, run_warmup().
+    fork: megatron.training.warmup.run_warmup, called as train() calls it: right after
+        install_train_loop_hooks(), with train_step and the param_sync_func that set-up held back;
+        the real steps then run under the same set-up. Path 'train': exactly train()'s call (the
+        step count from the args, the default synthetic GPT batches); path 'run_warmup': with an
+        explicit step count, data iterator and args.
     none: no warmup (the reference for bitwise exactness).
 """
 
@@ -140,9 +143,20 @@ def _loss_func(y, output):
     return loss, {'loss': loss.detach().clone()}
 
 
+def _xy(batch, hidden=8, out=4):
+    """(x, y) of a batch; the warmup's default synthetic GPT batches (dicts of token ids) map to
+    one-hot rows."""
+    if not isinstance(batch, dict):
+        return batch
+    one_hot = torch.nn.functional.one_hot
+    x = one_hot(batch['tokens'][:, 0] % hidden, hidden).float() * 3
+    return x, one_hot(batch['labels'][:, 0] % out, out).float()
+
+
 def _forward_step(data_iterator, model):
     """Forward step that consumes python, numpy and torch RNG (like dropout / noise sampling)."""
-    x, y = next(data_iterator)
+    x, y = _xy(next(data_iterator))
+    x, y = x.to(next(model.parameters()).device), y.to(next(model.parameters()).device)
     noise = torch.randn(x.shape) * 1e-2 + (random.random() - 0.5) * 1e-3
     noise = noise + float(np.random.rand()) * 1e-3
     x = x + noise.to(x.device)
@@ -280,32 +294,19 @@ def _hooks(trainer):
 class _RealRun:
     """train()'s set-up and loop around the real train_step (callbacks, pre-hook toggling).
 
-    With ``warmup_steps``, the warmup runs first through run_warmup(), as train() calls it at its
-    start.
+    ``warmup(param_sync_func)``, if given, runs right after the set-up, where train() calls
+    run_warmup(); the real steps then run under the same set-up.
     """
 
-    def __init__(self, trainer, scheduler, args, accumulation, first_step=0, warmup_steps=0):
+    def __init__(self, trainer, scheduler, args, accumulation, first_step=0, warmup=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.training import training
 
         self.t, self.s, self.args, self.acc = trainer, scheduler, args, accumulation
         config, model = trainer.config, trainer.model
-        if warmup_steps:
-            from megatron.training.warmup import run_warmup
-
-            def forward_step(data_iterator, model):
-                return _forward_step(data_iterator, model)
-
-            forward_step.warmup_batch_iterator = lambda _: _synthetic_iterator(trainer.ctx.device)
-            args.warmup_train_steps = warmup_steps
-            try:
-                self.warmup = run_warmup(
-                    forward_step, [model], trainer.optimizer, scheduler, config
-                )
-            finally:
-                args.warmup_train_steps = 0
         self.param_sync_func = install_train_loop_hooks([model], trainer.optimizer, config, args)
         self.pending = training.should_disable_forward_pre_hook(args)
+        self.warmup = warmup(self.param_sync_func) if warmup is not None else None
         self.fb = get_forward_backward_func()
         self.step_index = first_step
 
@@ -373,6 +374,32 @@ def _fresh_state_kept(trainer, states_before):
     return bool(states) and all(not v.any() for s in states for v in s.values())
 
 
+def _adam_steps(trainer):
+    """The most optimizer steps any param has taken (torch Adam's per-param 'step'; 0 without
+    state)."""
+    steps = [
+        float(state['step'])
+        for opt in _optimizers(trainer.optimizer)
+        for state in opt.optimizer.state.values()
+        if 'step' in state
+    ]
+    return max(steps, default=0.0)
+
+
+def _record_optimizer_state(trainer, res):
+    """Record, right before the warmup's restore, the optimizer steps taken so far: the warmup's
+    steps reached the optimizer step only if they grew."""
+    from megatron.training import state_snapshot
+
+    original = state_snapshot.TrainingStateSnapshot.restore
+
+    def restore(self, *a, **kw):
+        res['adam_steps_before_restore'] = _adam_steps(trainer)
+        return original(self, *a, **kw)
+
+    return _patched(state_snapshot.TrainingStateSnapshot, 'restore', restore)
+
+
 def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False, opt_kwargs=None):
     from megatron.core import rerun_state_machine
 
@@ -402,25 +429,35 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
     out = {'arm': arm, 'accumulation': accumulation, 'losses': [], 'step_error': None}
     if arm == 'naive':
         _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
-    else:
+    warmup = None
+    if arm != 'naive':
+        from megatron.training import training
         from megatron.training.warmup import run_warmup
 
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            report = run_warmup(
-                _forward_step,
-                [trainer.model],
-                trainer.optimizer,
-                scheduler,
-                trainer.config,
-                warmup_steps,
-                data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
-                args=args,
-            )
-        out['log'] = [line for line in buf.getvalue().splitlines() if line.startswith('[warmup]')]
-        out['groups_reset'] = report.bucket_groups_reset
-        out['host_staging_bytes'] = report.host_staging_bytes
-    run = _RealRun(trainer, scheduler, args, accumulation)
+        def warmup(param_sync_func):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                report = run_warmup(
+                    training.train_step,
+                    _forward_step,
+                    [trainer.model],
+                    trainer.optimizer,
+                    scheduler,
+                    trainer.config,
+                    param_sync_func,
+                    warmup_steps,
+                    data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
+                    args=args,
+                )
+            lines = buf.getvalue().splitlines()
+            out['log'] = [line for line in lines if line.startswith('[warmup]')]
+            out['groups_reset'] = report.bucket_groups_reset
+            out['host_staging_bytes'] = report.host_staging_bytes
+            out['step_seconds'] = report.step_seconds
+            out['one_time_cost'] = report.one_time_cost
+            return report
+
+    run = _RealRun(trainer, scheduler, args, accumulation, warmup=warmup)
     try:
         for _ in range(real_steps):
             out['losses'].append(run.step()[0])
@@ -457,14 +494,17 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         eval_module: put this submodule (name suffix) in eval mode before the warmup.
         dumps: --save-params-interval 1 (train_step's dumps are recorded, not written).
         loss_scale_window: fp16 grad scaler growth interval.
-        break: negative control ('rng': skip the RNG restore).
+        initial_loss_scale: fp16 grad scaler's initial scale (default here 2**12; upstream's
+            default, 2**32, overflows every fp16 step until the scaler has backed off).
+        break: negative control ('rng': skip the RNG restore; 'loss_scale': the warmup without
+            its loss scale hold, as the fork's warmup ran before it had one).
     """
     acc, dtype, overlap, distopt = combo['acc'], combo['dtype'], combo['overlap'], combo['distopt']
     opg = combo.get('overlap_param_gather', False)
     path = combo.get('path', 'run_warmup')
-    opt_kwargs = None
-    if 'loss_scale_window' in combo:
-        opt_kwargs = {'loss_scale_window': combo['loss_scale_window']}
+    opt_kwargs = {
+        k: combo[k] for k in ('loss_scale_window', 'initial_loss_scale') if k in combo
+    } or None
     arms = {}
     _import_training()
     from megatron.training import global_vars, training
@@ -497,50 +537,88 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             broken = _patched(
                 state_snapshot.TrainingStateSnapshot, '_restore_rng', lambda self: None
             )
+        if arm == 'fork' and combo.get('break') == 'loss_scale':
+            from megatron.training import warmup as warmup_module
+
+            broken = _patched(warmup_module, '_hold_loss_scale', lambda optimizer: None)
         res['start'] = {
             'scheduler_num_steps': scheduler.num_steps,
             'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),
             'iteration': args.iteration,
+            'adam_steps': _adam_steps(trainer),
         }
         recorder = _patched(training, 'save_grads', save_grads)
-        if arm == 'fork' and path == 'run_warmup':
+        warmup = None
+        if arm == 'fork':
             from megatron.training.warmup import run_warmup
 
-            timers = global_vars.get_timers()._timers
-            elapsed = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
-            with contextlib.redirect_stdout(io.StringIO()), broken, recorder:
-                report = run_warmup(
-                    _forward_step,
-                    [trainer.model],
-                    trainer.optimizer,
-                    scheduler,
-                    trainer.config,
-                    warmup_steps,
-                    data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
-                    args=args,
+            def warmup(param_sync_func):
+                """Where train() calls run_warmup(): right after install_train_loop_hooks()."""
+                timers = global_vars.get_timers()
+                elapsed = {n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()}
+                before = _digests(trainer, scheduler, args)
+                callbacks_before = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
+                hooks_before = _hooks(trainer)
+                states_seen = _record_optimizer_state(trainer, res)
+                with contextlib.redirect_stdout(io.StringIO()), broken, recorder, states_seen:
+                    if path == 'train':  # train()'s own call: steps from the args, GPT batches
+                        args.warmup_train_steps = warmup_steps
+                        try:
+                            report = run_warmup(
+                                training.train_step,
+                                _forward_step,
+                                [trainer.model],
+                                trainer.optimizer,
+                                scheduler,
+                                trainer.config,
+                                param_sync_func,
+                            )
+                        finally:
+                            args.warmup_train_steps = 0
+                    else:
+                        report = run_warmup(
+                            training.train_step,
+                            _forward_step,
+                            [trainer.model],
+                            trainer.optimizer,
+                            scheduler,
+                            trainer.config,
+                            param_sync_func,
+                            warmup_steps,
+                            data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
+                            args=args,
+                        )
+                res['host_staging_bytes'] = report.host_staging_bytes
+                res['groups_reset'] = report.bucket_groups_reset
+                res['calibration_kept'] = report.calibration_kept
+                res['skipped_steps'] = report.skipped_steps
+                res['fresh_state_kept'] = _fresh_state_kept(
+                    trainer, res['start']['optimizer_state']
                 )
-            res['host_staging_bytes'] = report.host_staging_bytes
-            res['groups_reset'] = report.bucket_groups_reset
-            res['calibration_kept'] = report.calibration_kept
-            res['fresh_state_kept'] = _fresh_state_kept(trainer, res['start']['optimizer_state'])
-            res['warmup_losses'] = [float(x['loss']) for x in report.losses]
-            after = _digests(trainer, scheduler, args)
-            res['after_warmup_equals_before'] = after == before
-            res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
-            res['callbacks_restored'] = _callbacks(trainer.config) == callbacks_before
-            res['hooks_restored'] = _hooks(trainer) == hooks_before
-            # Timers train_step touched read as before (none counts warmup time), new ones 0.
-            after_timers = {name: timer.elapsed(reset=False) for name, timer in timers.items()}
-            res['timers_touched'] = sorted(set(after_timers) - set(elapsed))
-            res['timers_restored'] = all(
-                after_timers[name] == elapsed.get(name, 0.0) for name in after_timers
-            )
-        train_hook = warmup_steps if arm == 'fork' and path == 'train' else 0
+                res['warmup_losses'] = [float(x['loss']) for x in report.losses]
+                after = _digests(trainer, scheduler, args)
+                res['after_warmup_equals_before'] = after == before
+                res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
+                # The set-up handed back as train() expects it for its first real step.
+                res['callbacks_restored'] = all(
+                    getattr(trainer.config, n) is v for n, v in callbacks_before.items()
+                )
+                res['hooks_restored'] = _hooks(trainer) == hooks_before
+                # Timers train_step touched read as before (none counts warmup time), new ones 0.
+                after_timers = {
+                    n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()
+                }
+                res['timers_touched'] = sorted(set(after_timers) - set(elapsed))
+                res['timers_restored'] = all(
+                    after_timers[name] == elapsed.get(name, 0.0) for name in after_timers
+                )
+                return report
+
         with (
             contextlib.redirect_stdout(io.StringIO()),
             _patched(training, 'save_grads', save_grads),
         ):
-            run = _RealRun(trainer, scheduler, args, acc, args.iteration, train_hook)
+            run = _RealRun(trainer, scheduler, args, acc, args.iteration, warmup)
         res['train_hook_ran'] = getattr(run, 'warmup', None) is not None
         with (
             contextlib.redirect_stdout(io.StringIO()),
@@ -595,7 +673,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     must still be the one raised, and the host-staged state must still be put back.
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.training import state_snapshot
+    from megatron.training import state_snapshot, training
     from megatron.training.warmup import run_warmup
 
     def failing_drain(*args):
@@ -609,18 +687,8 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
         sentinel = object()
         trainer.config.finalize_model_grads_func = finalize_model_grads  # a pre-existing value
         before = _digests(trainer, scheduler, args)
-        callbacks_before = {
-            n: getattr(trainer.config, n)
-            for n in (
-                'no_sync_func',
-                'grad_sync_func',
-                'param_sync_func',
-                'finalize_model_grads_func',
-                'grad_scale_func',
-            )
-        }
-        hooks_before = _hooks(trainer)
         res = {}
+        warmup = None
         if arm == 'fault':
             calls = {'n': 0}
             synthetic = _as_train_step_takes(_synthetic_iterator(ctx.device))
@@ -634,35 +702,41 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
             drain = (
                 failing_drain if restore_fails else state_snapshot.reset_ddp_grad_ready_calibration
             )
-            try:
-                with (
-                    contextlib.redirect_stdout(io.StringIO()),
-                    _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
-                ):
-                    run_warmup(
-                        failing,
-                        [trainer.model],
-                        trainer.optimizer,
-                        scheduler,
-                        trainer.config,
-                        3,
-                        data_iterator=synthetic,
-                        args=args,
-                    )
-                res['raised'] = None
-            except _Injected as exc:
-                res['raised'] = f'{type(exc).__name__}: {exc}'
-            res['calls'] = calls['n']
-            res['callbacks_restored'] = all(
-                getattr(trainer.config, n) is v for n, v in callbacks_before.items()
-            )
-            res['hooks_restored'] = _hooks(trainer) == hooks_before
-            after = _digests(trainer, scheduler, args)
-            res['state_restored'] = after == before
-            res['state_diff'] = [k for k in before if before[k] != after[k]]
+
+            def warmup(param_sync_func):  # where train() calls it, after its set-up
+                callbacks = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
+                hooks = _hooks(trainer)
+                try:
+                    with (
+                        contextlib.redirect_stdout(io.StringIO()),
+                        _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
+                    ):
+                        run_warmup(
+                            training.train_step,
+                            failing,
+                            [trainer.model],
+                            trainer.optimizer,
+                            scheduler,
+                            trainer.config,
+                            param_sync_func,
+                            3,
+                            data_iterator=synthetic,
+                            args=args,
+                        )
+                    res['raised'] = None
+                except _Injected as exc:
+                    res['raised'] = f'{type(exc).__name__}: {exc}'
+                res['calls'] = calls['n']
+                res['callbacks_restored'] = all(
+                    getattr(trainer.config, n) is v for n, v in callbacks.items()
+                )
+                res['hooks_restored'] = _hooks(trainer) == hooks
+                after = _digests(trainer, scheduler, args)
+                res['state_restored'] = after == before
+                res['state_diff'] = [k for k in before if before[k] != after[k]]
+
         del sentinel
-        trainer.config.finalize_model_grads_func = None
-        run = _RealRun(trainer, scheduler, args, accumulation)
+        run = _RealRun(trainer, scheduler, args, accumulation, warmup=warmup)
         with contextlib.redirect_stdout(io.StringIO()):
             res['losses'] = [run.step()[0] for _ in range(3)]
         res['final'] = _digests(trainer, scheduler, args)
@@ -674,6 +748,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
 def scenario_bad_input(ctx):
     """Argparse errors for --warmup-train-steps, and clear errors for unsupported combinations."""
     _import_training()
+    from megatron.training import training
     from megatron.training.arguments import parse_args
     from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported, run_warmup
 
@@ -749,7 +824,16 @@ def scenario_bad_input(ctx):
     check('supported')
     for name, kwargs in {'negative': {'num_steps': -1}, 'float': {'num_steps': 1.5}}.items():
         try:
-            run_warmup(_forward_step, model, optimizer, scheduler, config, args=args, **kwargs)
+            run_warmup(
+                training.train_step,
+                _forward_step,
+                model,
+                optimizer,
+                scheduler,
+                config,
+                args=args,
+                **kwargs,
+            )
             errors[name] = None
         except ValueError as exc:
             errors[name] = f'{type(exc).__name__}: {exc}'
@@ -780,7 +864,8 @@ def scenario_layout_from_process_groups(ctx):
 
 
 def scenario_calibration_rule(ctx):
-    """warmup._calibration_is_real over the cases that decide it (no process group needed)."""
+    """warmup._calibration_is_real over the cases that decide it (no process group needed); which
+    expert params of a MoE model are reset is warmup._routed_params (tests/test_warmup_pp.py)."""
     from types import SimpleNamespace as NS
 
     from megatron.training.warmup import _calibration_is_real

@@ -53,10 +53,11 @@ def _moe_layer(config):
     return spec.submodules.mlp(config=config)
 
 
-def _moe_fields(ep):
-    """TransformerConfig fields of the MoE stage model: ``ep`` experts, top-1, expert bias."""
+def _moe_fields(ep, experts=None):
+    """TransformerConfig fields of the MoE stage model: ``experts`` (default ``ep``) experts,
+    top-1, expert bias."""
     return dict(
-        num_moe_experts=ep,
+        num_moe_experts=experts or ep,
         moe_router_topk=1,
         moe_router_pre_softmax=True,
         moe_token_dispatcher_type='allgather',
@@ -120,7 +121,9 @@ def _core(chunk):
 def _forward_step(data_iterator, model):
     """Reads a batch where the stage has an iterator; draws python, numpy and torch RNG."""
     core = _core(model)
-    x, y = next(data_iterator) if data_iterator is not None else (None, None)
+    x, y = W._xy(next(data_iterator), HIDDEN, OUT) if data_iterator is not None else (None, None)
+    device = next(core.parameters()).device
+    x, y = (None, None) if x is None else (x.to(device), y.to(device))
     noise = torch.randn(MBS, HIDDEN) * 1e-2 + (random.random() - 0.5) * 1e-3
     noise = noise + float(np.random.rand()) * 1e-3
     if x is not None:
@@ -145,7 +148,18 @@ class PPTrainer:
     """Model chunks (one per virtual stage) in DDP, optimizer, scheduler and global args."""
 
     def __init__(
-        self, ctx, dtype, overlap, distopt, acc, vpp=1, opg=False, opt_kwargs=None, moe=False
+        self,
+        ctx,
+        dtype,
+        overlap,
+        distopt,
+        acc,
+        vpp=1,
+        opg=False,
+        opt_kwargs=None,
+        moe=False,
+        experts=None,
+        bucket_size=40,
     ):
         from megatron.core import parallel_state as ps
         from megatron.core import rerun_state_machine
@@ -164,12 +178,12 @@ class PPTrainer:
             num_layers=pp * vpp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-            **(_moe_fields(ps.get_expert_model_parallel_world_size()) if moe else {}),
+            **(_moe_fields(ps.get_expert_model_parallel_world_size(), experts) if moe else {}),
         )
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=overlap,
             use_distributed_optimizer=distopt,
-            bucket_size=40,
+            bucket_size=bucket_size,
             overlap_param_gather=opg,
         )
         self.model = []
@@ -280,8 +294,9 @@ class PPTrainer:
         )
         return out
 
-    def real_steps(self, steps, first_step=0):
-        """train()'s set-up, then ``steps`` real train_step calls; returns this rank's losses."""
+    def real_steps(self, steps, first_step=0, warmup=None):
+        """train()'s set-up, then ``warmup(param_sync_func)`` where train() calls run_warmup()
+        (if given), then ``steps`` real train_step calls; returns this rank's losses."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.training import training
 
@@ -289,6 +304,8 @@ class PPTrainer:
             self.model, self.optimizer, self.config, self.args
         )
         pending = training.should_disable_forward_pre_hook(self.args)
+        if warmup is not None:
+            warmup(param_sync_func)
         losses = []
         for step in range(first_step, first_step + steps):
             data = self.iterators(
@@ -314,31 +331,28 @@ class PPTrainer:
             losses.append(float(out[0]['loss']) if 'loss' in out[0] else None)
         return losses
 
-    def warmup(self, steps, forward_step=_forward_step, **kwargs):
+    def warmup(self, steps, param_sync_func):
+        """run_warmup() as train() calls it (its synthetic GPT batches, on the stages that read
+        batches), with train_step wrapped to record which chunks got a data iterator."""
         from megatron.training import training
         from megatron.training.warmup import run_warmup
 
-        def forward(data_iterator, model):
-            return forward_step(data_iterator, model)
-
-        forward.warmup_batch_iterator = lambda _: _batches(777, self.ctx.device, 0)
-
-        def step(*a, **kw):  # records which chunks the warmup gave a data iterator
+        def step(*a, **kw):
             data = a[1] if isinstance(a[1], list) else [a[1]]
             self.stages_with_batches = [i for i, it in enumerate(data) if it is not None]
             return training.train_step(*a, **kw)
 
         with contextlib.redirect_stdout(io.StringIO()):
             return run_warmup(
-                forward,
+                step,
+                _forward_step,
                 self.model,
                 self.optimizer,
                 self.scheduler,
                 self.config,
+                param_sync_func,
                 steps,
-                step_fn=step,
                 args=self.args,
-                **kwargs,
             )
 
 
@@ -385,15 +399,19 @@ def scenario_exactness(ctx, combos, warmup_steps=2, real_steps=3):
                     chunk.zero_grad_buffer()
                 res['resumed_state_entries'] = t.digests()['optimizer_state_entries']
             before = t.digests()
+            warmup = None
             if arm == 'fork':
-                report = t.warmup(warmup_steps)
-                after = t.digests()
-                res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
-                res['groups_reset'] = report.bucket_groups_reset
-                res['calibration_kept'] = report.calibration_kept
-                res['stages_with_batches'] = t.stages_with_batches
-                res['warmup_losses'] = [float(x['loss']) if x else None for x in report.losses]
-            res['losses'] = t.real_steps(real_steps, combo.get('resume', 0))
+
+                def warmup(param_sync_func, t=t, res=res, before=before):
+                    report = t.warmup(warmup_steps, param_sync_func)
+                    after = t.digests()
+                    res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
+                    res['groups_reset'] = report.bucket_groups_reset
+                    res['calibration_kept'] = report.calibration_kept
+                    res['stages_with_batches'] = t.stages_with_batches
+                    res['warmup_losses'] = [float(x['loss']) if x else None for x in report.losses]
+
+            res['losses'] = t.real_steps(real_steps, combo.get('resume', 0), warmup)
             res['final'] = t.digests()
             arms[arm] = res
         none, fork = arms['none'], arms['fork']
@@ -466,7 +484,6 @@ def scenario_fault(ctx, pp, fail_rank, warmup_steps=3, fail_step=2, acc=2):
         t = PPTrainer(ctx, 'bf16', True, True, acc, opg=True)
         W._seed_all()
         before = t.digests()
-        callbacks = {n: getattr(t.config, n) for n in W._CONFIG_CALLBACKS}
         res = {}
         if arm == 'fault':
             scheduler_step, calls = t.scheduler.step, {'n': 0}
@@ -477,19 +494,115 @@ def scenario_fault(ctx, pp, fail_rank, warmup_steps=3, fail_step=2, acc=2):
                     raise _Injected(f'injected failure on rank {ctx.rank}')
                 return scheduler_step(*a, **k)
 
-            t.scheduler.step = failing_step
-            try:
-                t.warmup(warmup_steps)
-                res['raised'] = None
-            except (_Injected, WarmupPeerError) as exc:
-                res['raised'] = f'{type(exc).__name__}: {exc}'
-            del t.scheduler.step
-            res['steps_started'] = calls['n']
-            after = t.digests()
-            res['state_diff'] = [k for k in before if before[k] != after[k]]
-            res['callbacks_restored'] = all(getattr(t.config, n) is v for n, v in callbacks.items())
-            res['hooks_restored'] = all(len(c.remove_forward_pre_hook_handles) > 0 for c in t.model)
-        res['losses'] = t.real_steps(3)
+            def warmup(param_sync_func):
+                callbacks = {n: getattr(t.config, n) for n in W._CONFIG_CALLBACKS}
+                hooks = [len(c.remove_forward_pre_hook_handles) > 0 for c in t.model]
+                t.scheduler.step = failing_step
+                try:
+                    t.warmup(warmup_steps, param_sync_func)
+                    res['raised'] = None
+                except (_Injected, WarmupPeerError) as exc:
+                    res['raised'] = f'{type(exc).__name__}: {exc}'
+                del t.scheduler.step
+                res['steps_started'] = calls['n']
+                after = t.digests()
+                res['state_diff'] = [k for k in before if before[k] != after[k]]
+                res['callbacks_restored'] = all(
+                    getattr(t.config, n) is v for n, v in callbacks.items()
+                )
+                # As install_train_loop_hooks() left them: disabled for the first real step.
+                now = [len(c.remove_forward_pre_hook_handles) > 0 for c in t.model]
+                res['hooks_restored'] = now == hooks and not any(hooks)
+
+        res['losses'] = t.real_steps(3, warmup=warmup if arm == 'fault' else None)
         res['final'] = t.digests()
         results[arm] = res
     return W._fault_against_none(results)
+
+
+def _skip_empty_experts(experts):
+    """Make a SequentialMLP run only the experts that got tokens (a subclass, as a custom experts
+    layer may be): an expert that got none takes no part in the graph, so its params register no
+    grad in that step."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class SkippingSequentialMLP(SequentialMLP):
+        def forward(self, hidden, tokens_per_expert, probs):
+            counts = tokens_per_expert.tolist()
+            outputs = []
+            for expert, tokens, p in zip(
+                self.local_experts, hidden.split(counts), probs.split(counts)
+            ):
+                outputs.append(expert(tokens, p)[0] if tokens.shape[0] else tokens)
+            return torch.cat(outputs), None
+
+    experts.__class__ = SkippingSequentialMLP
+
+
+@W._device_rng
+def scenario_moe_zero_tokens(ctx, skip_empty=False, keep_all=False, warmup_steps=2, real_steps=3):
+    """Upstream's MoELayer with 2 experts on this rank (EP 1, top-1 sigmoid router with an expert
+    bias, allgather dispatcher), fp32, DDP with overlap_grad_reduce, one param per bucket group.
+    The router's expert bias sends every token to expert 1 up to where train() calls the warmup
+    (so the warmup's synthetic batches reach expert 1 only), and every real token to expert 0
+    from there on, so expert 1 gets none in every real step.
+
+    Arms 'none' (no warmup) and 'fork' (the warmup where train() calls it). ``skip_empty``: the
+    experts layer skips an expert without tokens (a SequentialMLP subclass). ``keep_all``: the
+    warmup keeps its calibration on every bucket group, as if no router could withhold a grad
+    (warmup._routed_params returns nothing).
+    """
+    W._import_training()
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training import warmup as warmup_module
+
+    results = {}
+    for arm in ('none', 'fork'):
+        _layout(ctx, 1, 1, 1)
+        t = PPTrainer(ctx, 'fp32', True, False, 1, moe=True, experts=2, bucket_size=1)
+        layers = [m for chunk in t.model for m in chunk.modules() if isinstance(m, MoELayer)]
+        tokens = {'phase': 'warmup', 'warmup': [], 'real': []}
+        for layer in layers:
+            if skip_empty:
+                _skip_empty_experts(layer.experts)
+            layer.experts.register_forward_pre_hook(
+                lambda m, a: tokens[tokens['phase']].append(a[1].tolist())
+            )
+            layer.router.expert_bias[0] = -1e3
+        W._seed_all()
+        res = {'error': None, 'experts_type': type(layers[0].experts).__name__}
+
+        def warmup(param_sync_func, t=t, res=res, arm=arm, tokens=tokens, layers=layers):
+            if arm == 'fork':
+                routed = _patched(warmup_module, '_routed_params', lambda model, config: set())
+                with routed if keep_all else contextlib.nullcontext():
+                    report = t.warmup(warmup_steps, param_sync_func)
+                res['groups_reset'] = report.bucket_groups_reset
+                res['calibration_kept'] = report.calibration_kept
+            tokens['phase'] = 'real'
+            for layer in layers:  # expert 1 never wins the top-1 from here on
+                layer.router.expert_bias[0], layer.router.expert_bias[1] = 0.0, -1e3
+
+        try:
+            res['losses'] = t.real_steps(real_steps, warmup=warmup)
+        except Exception as exc:  # noqa: BLE001 - the DDP assertion is the expected outcome
+            res['error'] = f'{type(exc).__name__}: {exc}'.splitlines()[0]
+        res['tokens'] = {k: tokens[k] for k in ('warmup', 'real')}
+        res['final'] = t.digests() if res['error'] is None else None
+        results[arm] = res
+    none, fork = results['none'], results['fork']
+    fork['identical_to_no_warmup'] = fork['error'] is None and fork['final'] == none['final']
+    fork['identical_to_no_warmup'] = fork['identical_to_no_warmup'] and (
+        fork['losses'] == none['losses']
+    )
+    return {'none': {k: v for k, v in none.items() if k != 'final'}, 'fork': fork}
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)

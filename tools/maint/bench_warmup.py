@@ -272,20 +272,25 @@ def run_worker(spec):
         'allocated_after_setup_bytes': torch.cuda.memory_allocated() if mem else None,
     }
 
+    # What train() installs before its loop: the function train() calls (a pristine tree lacks
+    # it; the helper compiles the same function from this base's patch, FORK_TEST_BASE selects
+    # the base). The warmup runs right after it, as in train().
+    param_sync_func = install_train_loop_hooks(chunks, optimizer, config, args)
     if warmup:
         from megatron.training.warmup import run_warmup
 
         warm_iter = _synthetic_batches(cfg, cfg['seed'] + 9973, device)
         t0 = time.perf_counter()
         report = run_warmup(
+            step_fn,
             _forward_step,
             chunks,
             optimizer,
             scheduler,
             config,
+            param_sync_func,
             cfg['warmup_steps'],
             data_iterator=warm_iter,
-            step_fn=step_fn,
             args=args,
         )
         _sync(device)
@@ -297,11 +302,9 @@ def run_worker(spec):
             'bucket_groups_reset': report.bucket_groups_reset,
             'collectives_drained': report.collectives_drained,
             'losses': [float(x) for x in report.losses],
+            'step_seconds': report.step_seconds,
+            'one_time_cost': report.one_time_cost,
         }
-    # What train() installs before its loop, after the warmup as in train(): the function train()
-    # calls (a pristine tree lacks it; the helper compiles the same function from this base's
-    # patch, FORK_TEST_BASE selects the base).
-    install_train_loop_hooks(chunks, optimizer, config, args)
     if mem:
         out['allocated_before_first_step_bytes'] = torch.cuda.memory_allocated()
         out['peak_before_first_step_bytes'] = torch.cuda.max_memory_allocated()

@@ -143,15 +143,19 @@ class TestRunWarmup:
         before = copy.deepcopy(model.module.state_dict())
         forward_backward_func = get_forward_backward_func()
 
+        # As train(): its set-up, then the warmup under it, then the real steps.
+        param_sync_func = install_train_loop_hooks([model], optimizer, model.config, args)
+        callbacks = (model.config.no_sync_func, model.config.finalize_model_grads_func)
         report = run_warmup(
+            _train_step,
             _forward_step,
             [model],
             optimizer,
             None,
             model.config,
+            param_sync_func,
             2,
             data_iterator=_batches(seed=7),
-            step_fn=_train_step,
             args=args,
         )
         assert report.num_steps == 2 and len(report.losses) == 2
@@ -159,13 +163,16 @@ class TestRunWarmup:
         assert report.bucket_groups_reset == num_groups > 0
         for name, value in model.module.state_dict().items():
             assert torch.equal(value, before[name]), name
-        assert model.config.no_sync_func is None and model.config.finalize_model_grads_func is None
+        # The set-up is handed back as installed, for the first real step.
+        assert (model.config.no_sync_func, model.config.finalize_model_grads_func) == callbacks
 
+        install_train_loop_hooks(
+            [reference_model], reference_optimizer, reference_model.config, args
+        )
         for run_model, run_optimizer in (
             (model, optimizer),
             (reference_model, reference_optimizer),
         ):
-            install_train_loop_hooks([run_model], run_optimizer, run_model.config, args)
             data = _batches(seed=11)
             run_model.losses = [
                 _train_step(
@@ -190,18 +197,19 @@ def test_unsupported_combinations_fail_before_any_step():
     args = SimpleNamespace(pipeline_model_parallel_size=1)
     config = SimpleNamespace(pipeline_model_parallel_size=2)
     with pytest.raises(WarmupUnsupportedError, match="inconsistent layout"):
-        run_warmup(None, [torch.nn.Linear(2, 2)], object(), None, config, 1, args=args)
+        run_warmup(None, None, [torch.nn.Linear(2, 2)], object(), None, config, None, 1, args=args)
     config = SimpleNamespace(pipeline_model_parallel_size=1)
     with pytest.raises(WarmupUnsupportedError, match="needs an optimizer"):
-        run_warmup(None, [torch.nn.Linear(2, 2)], None, None, config, 1, args=args)
+        run_warmup(None, None, [torch.nn.Linear(2, 2)], None, None, config, None, 1, args=args)
 
 
 def test_zero_steps_is_a_no_op_and_negative_steps_are_rejected():
     """num_steps=0 does nothing; a negative count is a ValueError."""
-    report = run_warmup(None, [torch.nn.Linear(2, 2)], None, None, None, 0, args=SimpleNamespace())
+    model = [torch.nn.Linear(2, 2)]
+    report = run_warmup(None, None, model, None, None, None, None, 0, args=SimpleNamespace())
     assert report.num_steps == 0 and report.losses == []
     with pytest.raises(ValueError, match="non-negative"):
-        run_warmup(None, [torch.nn.Linear(2, 2)], None, None, None, -1, args=SimpleNamespace())
+        run_warmup(None, None, model, None, None, None, None, -1, args=SimpleNamespace())
 
 
 def test_warmup_argument():
