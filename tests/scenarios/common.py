@@ -226,16 +226,15 @@ def make_config(dtype='fp32', **overrides):
 
 def stats_config(dtype='bf16', tp=1, ep=1, etp=None, **overrides):
     """The config of the statistics scenarios' parameter bags and layers: make_config with
-    hidden size 16, 4 heads and the (tp, ep, etp) layout."""
-    return make_config(
-        dtype,
+    hidden size 16, 4 heads and the (tp, ep, etp) layout; ``overrides`` replace or add fields."""
+    layout = dict(
         hidden_size=16,
         num_attention_heads=4,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        **overrides,
     )
+    return make_config(dtype, **{**layout, **overrides})
 
 
 def ddp_and_optimizer(config, module, distopt, factory_kwargs=None, **opt_overrides):
@@ -491,6 +490,16 @@ class Trainer:
         model = build_model(self.config, expert=expert, seed=seed)
         self.initial = flat_params(model.core)
         self.initial_state = {k: v.cpu() for k, v in copy.deepcopy(model.core.state_dict()).items()}
+        # What reference_train() needs to train the same model on the same data.
+        self.reference_kwargs = dict(
+            expert=expert,
+            optimizer=optimizer,
+            lr=lr,
+            clip_grad=clip_grad,
+            seed=seed,
+            micro_batch_size=micro_batch_size,
+            initial_state=self.initial_state,
+        )
         model = model.to(ctx.device)
         self.model = wrap_ddp(
             model,
@@ -627,42 +636,18 @@ def reference_train(
     return {'losses': losses, 'grad_norms': norms, 'params': flat_params(core)}
 
 
-def train_steps(
-    ctx,
-    steps=3,
-    num_microbatches=2,
-    dtype='fp32',
-    overlap=True,
-    distopt=True,
-    expert=True,
-    bucket_size=100,
-    optimizer='adam',
-    lr=1e-2,
-    clip_grad=1.0,
-    seed=1234,
-    reference=True,
-    **trainer_kwargs,
-):
+def train_steps(ctx, steps=3, num_microbatches=2, reference=True, **trainer_kwargs):
     """Train ``steps`` real steps and (optionally) compare with the float64 reference.
+
+    Args:
+        **trainer_kwargs: :class:`Trainer` arguments (dtype, overlap, distopt, expert, ...).
 
     Returns:
         dict: losses, grad_norms, ok, param_digest, n_bucket_groups, n_expert_bucket_groups,
         optimizer class, and with reference=True: ref_losses, ref_grad_norms, max_param_diff,
         max_loss_diff, max_grad_norm_diff.
     """
-    trainer = Trainer(
-        ctx,
-        dtype=dtype,
-        overlap=overlap,
-        distopt=distopt,
-        expert=expert,
-        bucket_size=bucket_size,
-        optimizer=optimizer,
-        lr=lr,
-        clip_grad=clip_grad,
-        seed=seed,
-        **trainer_kwargs,
-    )
+    trainer = Trainer(ctx, **trainer_kwargs)
     out = [trainer.step(num_microbatches) for _ in range(steps)]
     params = trainer.params()
     result = {
@@ -676,18 +661,7 @@ def train_steps(
         'dp_size': trainer.dp_size,
     }
     if reference:
-        ref = reference_train(
-            steps,
-            num_microbatches,
-            trainer.dp_size,
-            expert=expert,
-            optimizer=optimizer,
-            lr=lr,
-            clip_grad=clip_grad,
-            seed=seed,
-            micro_batch_size=trainer.micro_batch_size,
-            initial_state=trainer.initial_state,
-        )
+        ref = reference_train(steps, num_microbatches, trainer.dp_size, **trainer.reference_kwargs)
         result.update(
             ref_losses=ref['losses'],
             ref_grad_norms=ref['grad_norms'],

@@ -31,6 +31,16 @@ from tests.scenarios.common import (
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
 
 DENSE_REP, DENSE_TP_SHARD, EXPERT_REP, EXPERT_TP_SHARD = 3, 2, 3, 2
+# The logical model's local parameters: name -> elements on one rank; the expert and the
+# tensor-parallel ones.
+SHAPES = {
+    'dense_rep': DENSE_REP,
+    'dense_tp': DENSE_TP_SHARD,
+    'expert_rep': EXPERT_REP,
+    'expert_tp': EXPERT_TP_SHARD,
+}
+EXPERT_NAMES = ('expert_rep', 'expert_tp')
+TP_NAMES = ('dense_tp', 'expert_tp')
 SEED = 1234
 
 
@@ -215,26 +225,29 @@ def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(
         {'cases': [...]} with, per (layout, optimizer, seed): the reported norm and zero count and
         the FP64 oracle over the logical parameters.
     """
-    shapes = {
-        'dense_rep': DENSE_REP,
-        'dense_tp': DENSE_TP_SHARD,
-        'expert_rep': EXPERT_REP,
-        'expert_tp': EXPERT_TP_SHARD,
-    }
+    return layout_cases(
+        ctx,
+        layout_list,
+        seeds,
+        'distopt',
+        use_distributed_optimizer_values,
+        lambda tp, distopt: _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, distopt),
+    )
+
+
+def layout_cases(ctx, layout_list, seeds, key, variants, build):
+    """Per layout, variant and seed: the reported grad norm and zero count of the optimizer that
+    ``build(tp, variant)`` makes over SHAPES, against the FP64 oracle of the logical draw.
+
+    Returns:
+        {'cases': [...]}, each with layout, ``key``: variant, seed, norm, zeros, oracle_norm and
+        oracle_zeros.
+    """
     cases = []
     for tp, ep, etp in layout_list:
         with parallel_layout(tp, ep, etp) as coords:
-            for distopt in use_distributed_optimizer_values:
-                model, optimizer = _build(
-                    ctx,
-                    tp,
-                    ep,
-                    etp,
-                    shapes,
-                    {'expert_rep', 'expert_tp'},
-                    {'dense_tp', 'expert_tp'},
-                    distopt,
-                )
+            for variant in variants:
+                model, optimizer = build(tp, variant)
                 for seed in seeds:
                     logical = _logical(seed, tp, ep, etp)
                     local = {k: v.float() for k, v in _local(logical, *coords).items()}
@@ -242,7 +255,7 @@ def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(
                     cases.append(
                         {
                             'layout': [tp, ep, etp],
-                            'distopt': distopt,
+                            key: variant,
                             'seed': seed,
                             'norm': got['norm'],
                             'zeros': got['zeros'],
@@ -269,13 +282,8 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
+    init_parallel(tp=tp, ep=ep, etp=etp)
     torch.manual_seed(SEED)
     hidden, ffn = 4, 8
     kwargs = {}
@@ -283,18 +291,14 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
         if etp > 1:
             kwargs['add_bias_linear'] = False  # upstream: MoE biases need ETP == 1
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+    cfg = stats_config(
+        'bf16',
+        tp,
+        ep,
+        etp,
         sequence_parallel=tp > 1,
         use_cpu_initialization=True,
         perform_initialization=False,
-        bf16=True,
-        params_dtype=torch.bfloat16,
         **kwargs,
     )
 

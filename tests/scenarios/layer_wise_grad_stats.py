@@ -27,32 +27,18 @@ import math
 
 import torch
 
-from tests.scenarios.common import (
-    ParamBag,
-    init_parallel,
-    oracle,
-    parallel_layout,
-    read_grad_stats,
-    stats_config,
-)
+from tests.scenarios.common import ParamBag, init_parallel, parallel_layout, stats_config
 from tests.scenarios.expert_grad_stats import (
-    DENSE_REP,
-    DENSE_TP_SHARD,
-    EXPERT_REP,
-    EXPERT_TP_SHARD,
+    EXPERT_NAMES,
+    SHAPES,
+    TP_NAMES,
     _groups,
     _local,
     _logical,
+    _stats,
+    layout_cases,
 )
 
-SHAPES = {
-    'dense_rep': DENSE_REP,
-    'dense_tp': DENSE_TP_SHARD,
-    'expert_rep': EXPERT_REP,
-    'expert_tp': EXPERT_TP_SHARD,
-}
-EXPERT_NAMES = ('expert_rep', 'expert_tp')
-TP_NAMES = ('dense_tp', 'expert_tp')
 SETUPS = ('legacy', 'layout')
 
 
@@ -130,11 +116,6 @@ def layer_wise_optimizer(model, opt_cfg):
     )
 
 
-def _stats(model, optimizer, grads):
-    """Write ``grads`` (name -> local tensor) into main_grad and read the optimizer's statistics."""
-    return read_grad_stats(optimizer, [(getattr(model.module, n), v) for n, v in grads.items()])
-
-
 def scenario_exact_oracle(ctx, tp, ep, etp, setup):
     """One dense ``[1, 1]`` matrix and two expert ones; grads all 1 (norm) or all 0 (zero count).
 
@@ -175,27 +156,14 @@ def scenario_layouts(ctx, layout_list, seeds, setups=SETUPS):
         {'cases': [...]} with, per (layout, setup, seed), the reported norm and zero count and
         the FP64 oracle over the logical gradients.
     """
-    cases = []
-    for tp, ep, etp in layout_list:
-        with parallel_layout(tp, ep, etp) as coords:
-            for setup in setups:
-                model, optimizer = _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup)
-                for seed in seeds:
-                    logical = _logical(seed, tp, ep, etp)
-                    local = {k: v.float() for k, v in _local(logical, *coords).items()}
-                    got = _stats(model, optimizer, local)
-                    cases.append(
-                        {
-                            'layout': [tp, ep, etp],
-                            'setup': setup,
-                            'seed': seed,
-                            'norm': got['norm'],
-                            'zeros': got['zeros'],
-                            **oracle(logical),
-                        }
-                    )
-                del model, optimizer
-    return {'cases': cases}
+    return layout_cases(
+        ctx,
+        layout_list,
+        seeds,
+        'setup',
+        setups,
+        lambda tp, setup: _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup),
+    )
 
 
 def scenario_step(ctx, layout_list, seed, setups=SETUPS, lr=0.5):

@@ -26,28 +26,13 @@ from tests.scenarios.common import (
     parallel_layout,
     stats_config,
 )
-from tests.scenarios.expert_grad_stats import (
-    DENSE_REP,
-    DENSE_TP_SHARD,
-    EXPERT_REP,
-    EXPERT_TP_SHARD,
-    _local,
-    _logical,
-)
+from tests.scenarios.expert_grad_stats import EXPERT_NAMES, TP_NAMES, _local, _logical
 
 DTYPES = {'bf16': torch.bfloat16, 'fp32': torch.float32}
 # (dtype, use_distributed_optimizer): the four optimizer paths calc_params_l2_norm reads from.
 # bf16 without DistOpt: full fp32 main_param copies; bf16 with DistOpt: sharded main_param views;
 # fp32 with or without DistOpt: the model params themselves.
 OPTIMIZER_KINDS = (('bf16', False), ('bf16', True), ('fp32', False), ('fp32', True))
-SHAPES = {
-    'dense_rep': DENSE_REP,
-    'dense_tp': DENSE_TP_SHARD,
-    'expert_rep': EXPERT_REP,
-    'expert_tp': EXPERT_TP_SHARD,
-}
-EXPERT_NAMES = ('expert_rep', 'expert_tp')
-TP_NAMES = ('dense_tp', 'expert_tp')
 
 
 def _set_args(dtype):
