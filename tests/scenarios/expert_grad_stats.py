@@ -59,8 +59,6 @@ def layouts(world_size):
 def _build(
     ctx,
     tp,
-    ep,
-    etp,
     shapes,
     expert_names,
     tp_names,
@@ -152,8 +150,6 @@ def scenario_exact_oracle(
     model, optimizer = _build(
         ctx,
         world,
-        world,
-        1,
         {'dense': (1, 1) if matrix else 1, 'expert': (1, 1) if matrix else 1},
         {'expert'},
         set(),
