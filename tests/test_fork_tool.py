@@ -112,6 +112,13 @@ def make_patch(sandbox, name, old, new, subject="test: change a default"):
     return out
 
 
+def flip_overlap(sandbox, name):
+    """make_patch of the one-line patch most tests use: overlap_grad_reduce defaults to True."""
+    return make_patch(
+        sandbox, name, "overlap_grad_reduce: bool = False", "overlap_grad_reduce: bool = True"
+    )
+
+
 def add_to_series(sandbox, *names):
     with open(series_dir(sandbox) / "series", "a") as f:
         f.write("".join(f"{n}\n" for n in names))
@@ -125,12 +132,7 @@ def tree_digest(sandbox):
 
 
 def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
-    original = make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    original = flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "materialize").returncode == 0
     assert "overlap_grad_reduce: bool = True" in (sandbox / TARGET).read_text()
@@ -150,12 +152,7 @@ def test_clean_patch_applies_exports_idempotently_and_check_passes(sandbox):
 
 
 def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
-    make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "materialize").returncode == 0
     target = sandbox / TARGET
@@ -180,12 +177,7 @@ def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
 
 
 def test_truncated_patch_is_refused(sandbox):
-    text = make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    text = flip_overlap(sandbox, "0001-a.patch")
     (series_dir(sandbox) / "0001-a.patch").write_text(text[: text.rindex("@@") + 40])
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
@@ -204,12 +196,7 @@ def _shift_hunk(text, delta):
 
 
 def test_patch_needing_fuzz_or_offset_is_refused_naming_patch_file_and_hunk(sandbox):
-    text = make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    text = flip_overlap(sandbox, "0001-a.patch")
     # Offset: the hunk claims a position 7 lines off.
     (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
     add_to_series(sandbox, "0001-a.patch")
@@ -245,12 +232,7 @@ def test_series_entry_without_file_and_file_not_in_series(sandbox):
         and "does not exist" in proc.stderr
     )
     (series_dir(sandbox) / "series").write_text("")
-    make_patch(
-        sandbox,
-        "0002-stray.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0002-stray.patch")
     proc = run(sandbox, "check")
     assert (
         proc.returncode == 1
@@ -341,12 +323,7 @@ def test_offline_from_local_git_checkout_at_named_revision(sandbox, tmp_path):
 
 
 def test_interrupted_apply_leaves_previous_tree(sandbox):
-    make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0001-a.patch")
     make_patch(
         sandbox,
         "0002-b.patch",
@@ -364,12 +341,7 @@ def test_interrupted_apply_leaves_previous_tree(sandbox):
 
 def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
     pristine = (sandbox / TARGET).read_text()
-    make_patch(
-        sandbox,
-        "0001-clean.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0001-clean.patch")
     off = make_patch(
         sandbox,
         "0002-off.patch",
@@ -493,12 +465,7 @@ def test_patch_truncated_at_a_file_boundary_is_exit_5_naming_the_lost_file(sandb
 
 
 def test_offset_and_fuzz_name_patch_file_and_hunk(sandbox):
-    text = make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    text = flip_overlap(sandbox, "0001-a.patch")
     (series_dir(sandbox) / "0001-a.patch").write_text(_shift_hunk(text, 7))
     add_to_series(sandbox, "0001-a.patch")
     proc = run(sandbox, "materialize")
@@ -593,12 +560,7 @@ def test_lock_keeps_two_runs_apart(sandbox):
 
 @pytest.mark.parametrize("sig,code", [(2, 130), (15, 143)])
 def test_sigint_and_sigterm_leave_the_tree_and_no_temporary_folder(sandbox, sig, code):
-    make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
     proc = subprocess.Popen(
@@ -660,13 +622,14 @@ def _upstream_repo(sandbox, tmp_path, edit=None):
     return repo
 
 
+def _rebase_onto_head(sandbox, repo):
+    """``rebase --base BASE --onto HEAD`` of ``repo`` into a new series named 'next'."""
+    args = ["--base", BASE, "--onto", "HEAD", "--git-repo", str(repo), "--name", "next"]
+    return run(sandbox, "rebase", *args)
+
+
 def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
-    make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "pristine", BASE).returncode == 0
     # Upstream inserts lines above the patched one: the patch needs an offset there.
@@ -675,18 +638,7 @@ def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
         tmp_path,
         edit=("class DistributedDataParallelConfig:", "class DistributedDataParallelConfig:\n\n\n"),
     )
-    proc = run(
-        sandbox,
-        "rebase",
-        "--base",
-        BASE,
-        "--onto",
-        "HEAD",
-        "--git-repo",
-        str(repo),
-        "--name",
-        "next",
-    )
+    proc = _rebase_onto_head(sandbox, repo)
     assert proc.returncode == 0, proc.stderr
     assert "kept    0001-a.patch" in proc.stdout and "git range-diff" in proc.stdout
     assert (series_dir(sandbox).parent / "next" / "series").read_text() == "0001-a.patch\n"
@@ -696,12 +648,7 @@ def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
 def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_nothing(
     sandbox, tmp_path
 ):
-    make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "pristine", BASE).returncode == 0
     repo = _upstream_repo(
@@ -710,18 +657,7 @@ def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_n
         edit=("overlap_grad_reduce: bool = False", "overlap_grad_reduce: int = 0"),
     )
     before = (series_dir(sandbox) / "0001-a.patch").read_text()
-    proc = run(
-        sandbox,
-        "rebase",
-        "--base",
-        BASE,
-        "--onto",
-        "HEAD",
-        "--git-repo",
-        str(repo),
-        "--name",
-        "next",
-    )
+    proc = _rebase_onto_head(sandbox, repo)
     assert proc.returncode == 8, proc.stderr
     assert re.search(
         r"patch 0001-a\.patch conflicts\n  file \S+_config\.py: hunk at line \d+", proc.stderr
@@ -824,12 +760,7 @@ def _one_line(proc):
 def test_a_file_missing_from_the_tree_is_named(sandbox):
     # 0008 on 0.17.1 (and on Primus's pin) patches megatron/training/utils/common_utils.py, which
     # those trees lack; the message used to say "file ?".
-    text = make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    text = flip_overlap(sandbox, "0001-a.patch")
     missing = "megatron/training/not_in_this_tree.py"
     (series_dir(sandbox) / "0001-a.patch").write_text(
         text.replace("megatron/core/distributed/distributed_data_parallel_config.py", missing)
@@ -846,12 +777,7 @@ def test_a_file_missing_from_the_tree_is_named(sandbox):
 
 @pytest.mark.parametrize("entry", ["0001-a.patch", "fork/0001-a.patch"])
 def test_a_truncated_patch_is_named_with_its_base(sandbox, entry):
-    text = make_patch(
-        sandbox,
-        "0001-a.patch",
-        "overlap_grad_reduce: bool = False",
-        "overlap_grad_reduce: bool = True",
-    )
+    text = flip_overlap(sandbox, "0001-a.patch")
     (series_dir(sandbox) / "0001-a.patch").unlink()
     (series_dir(sandbox) / entry).parent.mkdir(parents=True, exist_ok=True)
     (series_dir(sandbox) / entry).write_text(text[: text.rindex("@@") + 40])

@@ -20,6 +20,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from tests.scenarios.common import (
+    ddp_and_optimizer,
+    import_with_real_cuda,
+    oracle,
+    parallel_layout,
+    read_grad_stats,
+)
+
 HEADS, HEAD_DIM, DENSE, EXPERT = 4, 2, 3, 3
 SEQ, BATCH = 5, 2
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
@@ -70,27 +78,19 @@ def _model(ctx, config, expert):
 
 
 def _build(ctx, tp, dtype, distopt, expert=False, optimizer='adam', clip_grad=0.0, lr=0.0):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     config = _config(tp, dtype)
-    model = DistributedDataParallel(
+    model, optimizer = ddp_and_optimizer(
         config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distopt),
         _model(ctx, config, expert),
-    )
-    opt_config = OptimizerConfig(
+        distopt,
         optimizer=optimizer,
         lr=lr,
         weight_decay=0.0,
         sgd_momentum=0.0,
-        bf16=dtype == 'bf16',
         params_dtype=DTYPES[dtype],
-        use_distributed_optimizer=distopt,
         clip_grad=clip_grad,
         log_num_zeros_in_grad=True,
     )
-    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
     return config, model, optimizer
 
 
@@ -107,44 +107,15 @@ def _heads(tp_rank, tp):
 
 def _stats(model, optimizer, values):
     module = model.module
-    module.attn.softmax_offset.main_grad.copy_(values['softmax_offset'])
-    module.dense.main_grad.copy_(values['dense'])
+    params = {'softmax_offset': module.attn.softmax_offset, 'dense': module.dense}
     if 'expert' in values:
-        module.expert.main_grad.copy_(values['expert'])
-    found_inf = optimizer.prepare_grads()
-    return {
-        'found_inf': bool(found_inf),
-        'norm': float(optimizer.get_grad_norm()),
-        'zeros': int(optimizer.count_zeros()),
-    }
-
-
-def _import_training_utils():
-    """Import megatron.training.utils with the real torch.cuda bound (see scenarios/warmup.py:
-    modules it pulls in touch torch.cuda attributes at import time only)."""
-    import sys
-
-    if 'megatron.training.utils' in sys.modules:
-        return
-    try:
-        from tests.harness import cpu_redirect
-    except ImportError:
-        cpu_redirect = None
-    if cpu_redirect is None or not cpu_redirect.installed():
-        import megatron.training.utils  # noqa: F401
-
-        return
-    proxy = torch.cuda
-    torch.cuda = cpu_redirect._REAL_CUDA
-    try:
-        import megatron.training.utils  # noqa: F401
-    finally:
-        torch.cuda = proxy
+        params['expert'] = module.expert
+    return read_grad_stats(optimizer, [(params[n], v) for n, v in values.items()])
 
 
 def _param_norm(model, dtype):
     """megatron.training's calc_params_l2_norm (logged as params-norm) on this model."""
-    _import_training_utils()
+    import_with_real_cuda('megatron.training.utils')
     from megatron.training import global_vars
     from megatron.training.utils import calc_params_l2_norm
 
@@ -276,14 +247,14 @@ def scenario_backward_clip(ctx, tp, dtype, distopt, seed=7, clip_grad=1e-3):
     local_grad = model.module.attn.softmax_offset.main_grad.detach().double().cpu()
     offset_grad = _gather_tp(local_grad, ctx)
     dense_grad = model.module.dense.main_grad.detach().double().cpu()
-    oracle = math.sqrt(float(offset_grad.pow(2).sum() + dense_grad.pow(2).sum()))
+    oracle_norm = math.sqrt(float(offset_grad.pow(2).sum() + dense_grad.pow(2).sum()))
     ok, norm, zeros = optimizer.step()
     after = _logical_params(model, optimizer, ctx)
     update = torch.cat([a - b for a, b in zip(after, before)])
     return {
         'ok': bool(ok),
         'norm': float(norm),
-        'oracle_norm': oracle,
+        'oracle_norm': oracle_norm,
         'offset_grad': offset_grad.tolist(),
         'reference_offset_grad': _reference_offset_grad(q, k, v, weight, offset).tolist(),
         'update_norm': float(update.norm()) if sgd else None,
@@ -343,18 +314,9 @@ def scenario_layouts(
     with_expert=False leaves the expert parameter out (for trees whose expert statistics are wrong
     for another reason, so that only the sink offset is measured).
     """
-    from megatron.core import parallel_state as ps
-
     cases = []
     for tp, ep, etp in layout_list:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,
-        )
-        try:
-            tp_rank = ps.get_tensor_model_parallel_rank()
-            ep_rank = ps.get_expert_model_parallel_rank()
+        with parallel_layout(tp, ep, etp) as (tp_rank, ep_rank, _):
             heads = _heads(tp_rank, tp)
             for distopt in distopt_values:
                 _, model, optimizer = _build(ctx, tp, dtype, distopt, expert=with_expert)
@@ -382,10 +344,9 @@ def scenario_layouts(
                         if with_expert:
                             module.expert.zero_()
                     optimizer.reload_model_params()
-                    flat = torch.cat([v.reshape(-1) for v in logical.values()])
                     # What a statistic that keeps the sink on TP rank 0 only would report.
                     tp0 = dict(logical, softmax_offset=logical['softmax_offset'][_heads(0, tp)])
-                    flat_tp0 = torch.cat([v.reshape(-1) for v in tp0.values()])
+                    tp0_only = oracle(tp0)
                     params = torch.cat([logical['softmax_offset'], logical['dense']])
                     params_tp0 = torch.cat([tp0['softmax_offset'], tp0['dense']])
                     cases.append(
@@ -396,15 +357,12 @@ def scenario_layouts(
                             'norm': got['norm'],
                             'zeros': got['zeros'],
                             'param_norm': _param_norm(model, dtype),
-                            'oracle_norm': float(flat.pow(2).sum().sqrt()),
-                            'oracle_zeros': int((flat == 0).sum()),
-                            'tp0_only_norm': float(flat_tp0.pow(2).sum().sqrt()),
-                            'tp0_only_zeros': int((flat_tp0 == 0).sum()),
+                            **oracle(logical),
+                            'tp0_only_norm': tp0_only['oracle_norm'],
+                            'tp0_only_zeros': tp0_only['oracle_zeros'],
                             'oracle_param_norm': float(params.norm()),
                             'tp0_only_param_norm': float(params_tp0.norm()),
                         }
                     )
                 del model, optimizer
-        finally:
-            ps.destroy_model_parallel()
     return {'cases': cases}

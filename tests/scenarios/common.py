@@ -7,10 +7,12 @@ scenario set single hooks by hand (e.g. a warm-up step run before ``train()`` wo
 them); those are the scenario's deliberate deviations, not train()'s set-up.
 """
 
+import contextlib
 import copy
 import glob
 import hashlib
 import os
+import sys
 import types
 from functools import partial
 
@@ -79,6 +81,43 @@ def install_train_loop_hooks(model, optimizer, config, args):
     return training.install_train_loop_hooks(model, optimizer, config, args)
 
 
+def import_with_real_cuda(module):
+    """Import ``module`` (e.g. 'megatron.training.training') with the real ``torch.cuda`` bound.
+
+    A few modules megatron.training pulls in (e.g. the nvshmem resharding service) touch
+    torch.cuda attributes at import time only; the CPU redirect would reject those. No CUDA work
+    happens here.
+    """
+    import importlib
+
+    if module in sys.modules:
+        return
+    try:
+        from tests.harness import cpu_redirect
+    except ImportError:
+        cpu_redirect = None
+    if cpu_redirect is None or not cpu_redirect.installed():
+        importlib.import_module(module)
+        return
+    proxy = torch.cuda
+    torch.cuda = cpu_redirect._REAL_CUDA
+    try:
+        importlib.import_module(module)
+    finally:
+        torch.cuda = proxy
+
+
+@contextlib.contextmanager
+def patched(owner, name, value):
+    """Set ``owner.name = value`` for the duration of the block, then put the old value back."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
 def init_parallel(tp=1, pp=1, ep=1, etp=None, cp=1, **kwargs):
     """Initialise megatron parallel_state (the harness destroys it after the call).
 
@@ -102,6 +141,67 @@ def init_parallel(tp=1, pp=1, ep=1, etp=None, cp=1, **kwargs):
     )
 
 
+@contextlib.contextmanager
+def parallel_layout(tp, ep, etp):
+    """Initialise the (tp, ep, etp) layout (PP = CP = 1) for the block and destroy it after.
+
+    Yields:
+        this rank's (tp_rank, ep_rank, etp_rank).
+    """
+    from megatron.core import parallel_state as ps
+
+    init_parallel(tp=tp, ep=ep, etp=etp)
+    try:
+        yield (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank(),
+        )
+    finally:
+        ps.destroy_model_parallel()
+
+
+class ParamBag(torch.nn.Module):
+    """A bag of parameters with given values; DDP and the optimizers need only parameters.
+
+    Args:
+        values: name -> tensor (dtype and device as the parameter should have them).
+        expert_names: names whose params carry ``allreduce = False`` (expert params).
+        tp_names: names marked tensor-parallel (partition_dim 0).
+    """
+
+    def __init__(self, values, expert_names=(), tp_names=()):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        for name, value in values.items():
+            param = torch.nn.Parameter(value.clone())
+            if name in tp_names:
+                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+            if name in expert_names:
+                param.allreduce = False
+            setattr(self, name, param)
+
+
+def read_grad_stats(optimizer, grads):
+    """Write each (param, value) of ``grads`` into param.main_grad and read the optimizer's
+    statistics: found_inf (prepare_grads), grad norm and zero count."""
+    for param, value in grads:
+        param.main_grad.copy_(value.reshape(param.main_grad.shape))
+    found_inf = optimizer.prepare_grads()
+    return {
+        'found_inf': bool(found_inf),
+        'norm': float(optimizer.get_grad_norm()),
+        'zeros': int(optimizer.count_zeros()),
+    }
+
+
+def oracle(logical):
+    """FP64 norm and zero count over a dict of logical (deduplicated) tensors."""
+    flat = torch.cat([v.reshape(-1) for v in logical.values()])
+    return {'oracle_norm': float(flat.pow(2).sum().sqrt()), 'oracle_zeros': int((flat == 0).sum())}
+
+
 def make_config(dtype='fp32', **overrides):
     """A minimal TransformerConfig for the tiny model.
 
@@ -122,6 +222,48 @@ def make_config(dtype='fp32', **overrides):
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def stats_config(dtype='bf16', tp=1, ep=1, etp=None, **overrides):
+    """The config of the statistics scenarios' parameter bags and layers: make_config with
+    hidden size 16, 4 heads and the (tp, ep, etp) layout; ``overrides`` replace or add fields."""
+    layout = dict(
+        hidden_size=16,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    return make_config(dtype, **{**layout, **overrides})
+
+
+def ddp_and_optimizer(config, module, distopt, factory_kwargs=None, **opt_overrides):
+    """Wrap ``module`` in DDP (grad_reduce_in_fp32) and build ``get_megatron_optimizer`` over it
+    (Adam, lr 0, no clipping, the config's bf16: the standard chained dense + expert optimizer).
+
+    Args:
+        distopt: use_distributed_optimizer (DDP and optimizer).
+        factory_kwargs: extra keyword arguments of get_megatron_optimizer.
+        **opt_overrides: extra or replaced OptimizerConfig fields.
+
+    Returns:
+        (model, optimizer).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
+    )
+    model = DistributedDataParallel(config, ddp_config, module)
+    opt_kwargs = dict(
+        optimizer='adam', lr=0.0, bf16=config.bf16, use_distributed_optimizer=distopt, clip_grad=0.0
+    )
+    opt_config = OptimizerConfig(**{**opt_kwargs, **opt_overrides})
+    optimizer = get_megatron_optimizer(
+        opt_config, [model], use_gloo_process_groups=False, **(factory_kwargs or {})
+    )
+    return model, optimizer
 
 
 class TinyCore(torch.nn.Module):
@@ -348,6 +490,16 @@ class Trainer:
         model = build_model(self.config, expert=expert, seed=seed)
         self.initial = flat_params(model.core)
         self.initial_state = {k: v.cpu() for k, v in copy.deepcopy(model.core.state_dict()).items()}
+        # What reference_train() needs to train the same model on the same data.
+        self.reference_kwargs = dict(
+            expert=expert,
+            optimizer=optimizer,
+            lr=lr,
+            clip_grad=clip_grad,
+            seed=seed,
+            micro_batch_size=micro_batch_size,
+            initial_state=self.initial_state,
+        )
         model = model.to(ctx.device)
         self.model = wrap_ddp(
             model,
@@ -484,42 +636,18 @@ def reference_train(
     return {'losses': losses, 'grad_norms': norms, 'params': flat_params(core)}
 
 
-def train_steps(
-    ctx,
-    steps=3,
-    num_microbatches=2,
-    dtype='fp32',
-    overlap=True,
-    distopt=True,
-    expert=True,
-    bucket_size=100,
-    optimizer='adam',
-    lr=1e-2,
-    clip_grad=1.0,
-    seed=1234,
-    reference=True,
-    **trainer_kwargs,
-):
+def train_steps(ctx, steps=3, num_microbatches=2, reference=True, **trainer_kwargs):
     """Train ``steps`` real steps and (optionally) compare with the float64 reference.
+
+    Args:
+        **trainer_kwargs: :class:`Trainer` arguments (dtype, overlap, distopt, expert, ...).
 
     Returns:
         dict: losses, grad_norms, ok, param_digest, n_bucket_groups, n_expert_bucket_groups,
         optimizer class, and with reference=True: ref_losses, ref_grad_norms, max_param_diff,
         max_loss_diff, max_grad_norm_diff.
     """
-    trainer = Trainer(
-        ctx,
-        dtype=dtype,
-        overlap=overlap,
-        distopt=distopt,
-        expert=expert,
-        bucket_size=bucket_size,
-        optimizer=optimizer,
-        lr=lr,
-        clip_grad=clip_grad,
-        seed=seed,
-        **trainer_kwargs,
-    )
+    trainer = Trainer(ctx, **trainer_kwargs)
     out = [trainer.step(num_microbatches) for _ in range(steps)]
     params = trainer.params()
     result = {
@@ -533,18 +661,7 @@ def train_steps(
         'dp_size': trainer.dp_size,
     }
     if reference:
-        ref = reference_train(
-            steps,
-            num_microbatches,
-            trainer.dp_size,
-            expert=expert,
-            optimizer=optimizer,
-            lr=lr,
-            clip_grad=clip_grad,
-            seed=seed,
-            micro_batch_size=trainer.micro_batch_size,
-            initial_state=trainer.initial_state,
-        )
+        ref = reference_train(steps, num_microbatches, trainer.dp_size, **trainer.reference_kwargs)
         result.update(
             ref_losses=ref['losses'],
             ref_grad_norms=ref['grad_norms'],

@@ -237,16 +237,24 @@ def scenario_reset_drains_outstanding(ctx, reference=False, bucket_size=None):
     handle and restore param_gather_dispatched / grad_reduce_finished; the following step then
     recalibrates and trains. reference=True runs the same step indices without the unfinished step.
     """
+    return _reset_between_steps(
+        ctx, lambda ddp: _step(ddp, ctx, 1, finish=False), (2, 3), reference, bucket_size
+    )
+
+
+def _reset_between_steps(ctx, disrupt, later_steps, reference, bucket_size):
+    """Step 0, then (unless ``reference``) ``disrupt(ddp)`` and reset_grad_ready_calibration
+    with every group's state before and after it, then the steps ``later_steps``; the distributed
+    optimizer layout with overlap_param_gather."""
     ddp = _build(ctx, distopt=True, overlap_param_gather=True, bucket_size=bucket_size)
     norms = [_step(ddp, ctx, 0)]
     out = {'num_groups': len(_groups(ddp))}
     if not reference:
-        _step(ddp, ctx, 1, finish=False)
+        disrupt(ddp)
         out['before'] = [_state(g) for g in _groups(ddp)]
         out['result'] = list(ddp.reset_grad_ready_calibration())
         out['after'] = [_state(g) for g in _groups(ddp)]
-    norms.append(_step(ddp, ctx, 2))
-    norms.append(_step(ddp, ctx, 3))
+    norms.extend(_step(ddp, ctx, step) for step in later_steps)
     out['norms'] = norms
     out['golden_after'] = [
         sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)
@@ -335,21 +343,9 @@ def scenario_reset_drains_param_gather(ctx, reference=False, bucket_size=None):
     param_gather_dispatched=False, so the next forward dispatches again). reference=True runs
     the same step indices without the all-gather and the reset.
     """
-    ddp = _build(ctx, distopt=True, overlap_param_gather=True, bucket_size=bucket_size)
-    norms = [_step(ddp, ctx, 0)]
-    out = {'num_groups': len(_groups(ddp))}
-    if not reference:
-        ddp.start_param_sync()
-        out['before'] = [_state(g) for g in _groups(ddp)]
-        out['result'] = list(ddp.reset_grad_ready_calibration())
-        out['after'] = [_state(g) for g in _groups(ddp)]
-    norms.append(_step(ddp, ctx, 1))
-    norms.append(_step(ddp, ctx, 2))
-    out['norms'] = norms
-    out['golden_after'] = [
-        sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)
-    ]
-    return out
+    return _reset_between_steps(
+        ctx, lambda ddp: ddp.start_param_sync(), (1, 2), reference, bucket_size
+    )
 
 
 def _main_grads(ddp):

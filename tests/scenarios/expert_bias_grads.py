@@ -28,6 +28,9 @@ already summed (EP = 1 with expert params in the expert buffers, 0010 / upstream
 
 import torch
 
+from tests.scenarios.common import stats_config
+from tests.scenarios.expert_grad_stats import _groups as _group_sizes
+
 NUM_EXPERTS = 4
 HIDDEN = 8
 FFN = 8
@@ -38,16 +41,13 @@ EXPERT_PREFIX = 'experts.local_experts.'
 
 
 def _config(tp, ep, etp):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1,
+    return stats_config(
+        'fp32',
+        tp,
+        ep,
+        etp,
         hidden_size=HIDDEN,
         ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1,
         num_moe_experts=NUM_EXPERTS,
         moe_router_topk=1,
@@ -56,7 +56,6 @@ def _config(tp, ep, etp):
         moe_router_load_balancing_type='none',
         add_bias_linear=True,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
     )
 
 
@@ -135,11 +134,7 @@ def _groups():
 
     ranks = torch.distributed.get_process_group_ranks
     return {
-        'tp': ps.get_tensor_model_parallel_world_size(),
-        'ep': ps.get_expert_model_parallel_world_size(),
-        'etp': ps.get_expert_tensor_parallel_world_size(),
-        'dp': ps.get_data_parallel_world_size(),
-        'expert_dp': ps.get_expert_data_parallel_world_size(),
+        **_group_sizes(None),
         'tp_ranks': ranks(ps.get_tensor_model_parallel_group()),
         'dp_ranks': ranks(ps.get_data_parallel_group()),
         'expert_dp_ranks': ranks(ps.get_expert_data_parallel_group()),

@@ -18,9 +18,29 @@ import math
 
 import torch
 
+from tests.scenarios.common import (
+    ParamBag,
+    ddp_and_optimizer,
+    init_parallel,
+    oracle,
+    parallel_layout,
+    read_grad_stats,
+    stats_config,
+)
+
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
 
 DENSE_REP, DENSE_TP_SHARD, EXPERT_REP, EXPERT_TP_SHARD = 3, 2, 3, 2
+# The logical model's local parameters: name -> elements on one rank; the expert and the
+# tensor-parallel ones.
+SHAPES = {
+    'dense_rep': DENSE_REP,
+    'dense_tp': DENSE_TP_SHARD,
+    'expert_rep': EXPERT_REP,
+    'expert_tp': EXPERT_TP_SHARD,
+}
+EXPERT_NAMES = ('expert_rep', 'expert_tp')
+TP_NAMES = ('dense_tp', 'expert_tp')
 SEED = 1234
 
 
@@ -36,27 +56,9 @@ def layouts(world_size):
     return out
 
 
-class _Params(torch.nn.Module):
-    """A bag of parameters; DDP and the optimizers only need ``named_parameters``."""
-
-    def __init__(self, shapes, expert_names, tp_names, device, dtype='bf16'):
-        super().__init__()
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-        for name, numel in shapes.items():
-            param = torch.nn.Parameter(torch.zeros(numel, dtype=DTYPES[dtype], device=device))
-            if name in tp_names:
-                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
-            if name in expert_names:
-                param.allreduce = False
-            setattr(self, name, param)
-
-
 def _build(
     ctx,
     tp,
-    ep,
-    etp,
     shapes,
     expert_names,
     tp_names,
@@ -75,45 +77,25 @@ def _build(
         optimizer: 'adam', or an emerging optimizer such as 'lion' (needs the
             emerging-optimizers package; get_megatron_optimizer then takes its emerging path).
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
     torch.manual_seed(SEED)
-
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        bf16=dtype == 'bf16',
-        fp16=dtype == 'fp16',
-        params_dtype=DTYPES[dtype],
-    )
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
-    )
-    model = DistributedDataParallel(
-        cfg, ddp_cfg, _Params(shapes, expert_names, tp_names, ctx.device, dtype)
-    )
-    opt_cfg = OptimizerConfig(
-        optimizer=optimizer,
-        lr=0.0,
-        bf16=dtype == 'bf16',
-        fp16=dtype == 'fp16',
-        loss_scale=1.0 if dtype == 'fp16' else None,
-        params_dtype=DTYPES[dtype],
-        use_distributed_optimizer=use_distributed_optimizer,
-        clip_grad=0.0,
-        log_num_zeros_in_grad=True,
-    )
-    kwargs = {}
+    cfg = stats_config(dtype, tp=tp)
+    zeros = {n: torch.zeros(k, dtype=DTYPES[dtype], device=ctx.device) for n, k in shapes.items()}
+    factory_kwargs = {}
     if pg_collection:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        kwargs['pg_collection'] = ProcessGroupCollection.use_mpu_process_groups()
-    optimizer = get_megatron_optimizer(opt_cfg, [model], use_gloo_process_groups=False, **kwargs)
-    return model, optimizer
+        factory_kwargs['pg_collection'] = ProcessGroupCollection.use_mpu_process_groups()
+    return ddp_and_optimizer(
+        cfg,
+        ParamBag(zeros, expert_names, tp_names),
+        use_distributed_optimizer,
+        factory_kwargs,
+        optimizer=optimizer,
+        fp16=dtype == 'fp16',
+        loss_scale=1.0 if dtype == 'fp16' else None,
+        params_dtype=DTYPES[dtype],
+        log_num_zeros_in_grad=True,
+    )
 
 
 def _children(optimizer):
@@ -131,15 +113,7 @@ def _expert_allreduce_seen(optimizer):
 
 def _stats(model, optimizer, grads):
     """Write ``grads`` (name -> local tensor) into main_grad and read the optimizer's statistics."""
-    module = model.module
-    for name, value in grads.items():
-        getattr(module, name).main_grad.copy_(value)
-    found_inf = optimizer.prepare_grads()
-    return {
-        'found_inf': bool(found_inf),
-        'norm': float(optimizer.get_grad_norm()),
-        'zeros': int(optimizer.count_zeros()),
-    }
+    return read_grad_stats(optimizer, [(getattr(model.module, n), v) for n, v in grads.items()])
 
 
 def _groups(ctx):
@@ -172,16 +146,10 @@ def scenario_exact_oracle(
     from megatron.core import parallel_state as ps
 
     world = ctx.world_size
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=world,
-        expert_model_parallel_size=world,
-        expert_tensor_parallel_size=1,
-    )
+    init_parallel(tp=world, ep=world, etp=1)
     model, optimizer = _build(
         ctx,
         world,
-        world,
-        1,
         {'dense': (1, 1) if matrix else 1, 'expert': (1, 1) if matrix else 1},
         {'expert'},
         set(),
@@ -253,57 +221,44 @@ def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(
         {'cases': [...]} with, per (layout, optimizer, seed): the reported norm and zero count and
         the FP64 oracle over the logical parameters.
     """
-    from megatron.core import parallel_state as ps
+    return layout_cases(
+        ctx,
+        layout_list,
+        seeds,
+        'distopt',
+        use_distributed_optimizer_values,
+        lambda tp, distopt: _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, distopt),
+    )
 
-    shapes = {
-        'dense_rep': DENSE_REP,
-        'dense_tp': DENSE_TP_SHARD,
-        'expert_rep': EXPERT_REP,
-        'expert_tp': EXPERT_TP_SHARD,
-    }
+
+def layout_cases(ctx, layout_list, seeds, key, variants, build):
+    """Per layout, variant and seed: the reported grad norm and zero count of the optimizer that
+    ``build(tp, variant)`` makes over SHAPES, against the FP64 oracle of the logical draw.
+
+    Returns:
+        {'cases': [...]}, each with layout, ``key``: variant, seed, norm, zeros, oracle_norm and
+        oracle_zeros.
+    """
     cases = []
     for tp, ep, etp in layout_list:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,
-        )
-        try:
-            coords = (
-                ps.get_tensor_model_parallel_rank(),
-                ps.get_expert_model_parallel_rank(),
-                ps.get_expert_tensor_parallel_rank(),
-            )
-            for distopt in use_distributed_optimizer_values:
-                model, optimizer = _build(
-                    ctx,
-                    tp,
-                    ep,
-                    etp,
-                    shapes,
-                    {'expert_rep', 'expert_tp'},
-                    {'dense_tp', 'expert_tp'},
-                    distopt,
-                )
+        with parallel_layout(tp, ep, etp) as coords:
+            for variant in variants:
+                model, optimizer = build(tp, variant)
                 for seed in seeds:
                     logical = _logical(seed, tp, ep, etp)
                     local = {k: v.float() for k, v in _local(logical, *coords).items()}
                     got = _stats(model, optimizer, local)
-                    flat = torch.cat([v.reshape(-1) for v in logical.values()])
                     cases.append(
                         {
                             'layout': [tp, ep, etp],
-                            'distopt': distopt,
+                            key: variant,
                             'seed': seed,
                             'norm': got['norm'],
                             'zeros': got['zeros'],
-                            'oracle_norm': float(flat.pow(2).sum().sqrt()),
-                            'oracle_zeros': int((flat == 0).sum()),
+                            **oracle(logical),
                         }
                     )
                 del model, optimizer
-        finally:
-            ps.destroy_model_parallel()
     return {'cases': cases}
 
 
@@ -323,13 +278,8 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
+    init_parallel(tp=tp, ep=ep, etp=etp)
     torch.manual_seed(SEED)
     hidden, ffn = 4, 8
     kwargs = {}
@@ -337,18 +287,14 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
         if etp > 1:
             kwargs['add_bias_linear'] = False  # upstream: MoE biases need ETP == 1
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+    cfg = stats_config(
+        'bf16',
+        tp,
+        ep,
+        etp,
         sequence_parallel=tp > 1,
         use_cpu_initialization=True,
         perform_initialization=False,
-        bf16=True,
-        params_dtype=torch.bfloat16,
         **kwargs,
     )
 

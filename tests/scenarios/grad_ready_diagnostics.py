@@ -21,6 +21,7 @@ from tests.scenarios.common import (
     FFN,
     HIDDEN,
     OUT,
+    _forward_step,
     build_optimizer,
     make_config,
     rank_iterator,
@@ -98,18 +99,6 @@ def _build(ctx, mode, dtype, distopt, bucket_size):
     config.grad_scale_func = optimizer.scale_loss
     config.timers = None
     return config, model, ddp, optimizer
-
-
-def _loss_func(y, output):
-    loss = torch.nn.functional.mse_loss(output.float(), y)
-    return loss, {'loss': loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model):
-    from functools import partial
-
-    x, y = next(data_iterator)
-    return model(x), partial(_loss_func, y)
 
 
 def _groups(ddp):

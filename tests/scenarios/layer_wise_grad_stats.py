@@ -27,66 +27,57 @@ import math
 
 import torch
 
+from tests.scenarios.common import ParamBag, init_parallel, parallel_layout, stats_config
 from tests.scenarios.expert_grad_stats import (
-    DENSE_REP,
-    DENSE_TP_SHARD,
-    EXPERT_REP,
-    EXPERT_TP_SHARD,
+    EXPERT_NAMES,
+    SHAPES,
+    TP_NAMES,
     _groups,
     _local,
     _logical,
+    _stats,
+    layout_cases,
 )
 
-SHAPES = {
-    'dense_rep': DENSE_REP,
-    'dense_tp': DENSE_TP_SHARD,
-    'expert_rep': EXPERT_REP,
-    'expert_tp': EXPERT_TP_SHARD,
-}
-EXPERT_NAMES = ('expert_rep', 'expert_tp')
-TP_NAMES = ('dense_tp', 'expert_tp')
 SETUPS = ('legacy', 'layout')
 
 
-class _Matrices(torch.nn.Module):
-    """A bag of ``[n, 1]`` bf16 parameters; LayerWise manages matrices only."""
-
-    def __init__(self, shapes, expert_names, tp_names, device):
-        super().__init__()
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-        for name, numel in shapes.items():
-            param = torch.nn.Parameter(torch.zeros(numel, 1, dtype=torch.bfloat16, device=device))
-            if name in tp_names:
-                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
-            if name in expert_names:
-                param.allreduce = False
-            setattr(self, name, param)
-
-
 def _build(ctx, tp, shapes, expert_names, tp_names, setup):
-    """DDP-wrap the parameters and build a LayerWiseDistributedOptimizer over them."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """DDP-wrap ``[n, 1]`` bf16 parameters (LayerWise manages matrices only) and build a
+    LayerWiseDistributedOptimizer over them."""
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
+
+    cfg = stats_config('bf16', tp=tp)
+    zeros = {
+        n: torch.zeros(k, 1, dtype=torch.bfloat16, device=ctx.device) for n, k in shapes.items()
+    }
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=setup == 'layout'
+    )
+    model = layer_wise_ddp(cfg, ddp_cfg, ParamBag(zeros, expert_names, tp_names), setup)
+    opt_cfg = OptimizerConfig(
+        optimizer='adam',
+        lr=0.0,
+        bf16=True,
+        clip_grad=0.0,
+        log_num_zeros_in_grad=True,
+        use_layer_wise_distributed_optimizer=True,
+    )
+    return model, layer_wise_optimizer(model, opt_cfg)
+
+
+def layer_wise_ddp(cfg, ddp_cfg, module, setup):
+    """DDP over ``module`` as ``wrap_model_chunks_with_ddp`` makes it for LayerWise: 'legacy' is
+    plain DDP; 'layout' tags the params for buffer routing and passes the shard-aligned layout of
+    ``LayerWiseDistributedOptimizer.compute_full_param_layout``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.layer_wise_optimizer import (
         LayerWiseDistributedOptimizer,
         tag_params_for_buffer_routing,
     )
-    from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-    )
-    module = _Matrices(shapes, expert_names, tp_names, ctx.device)
-    ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=setup == 'layout'
-    )
     kwargs = {}
     if setup == 'layout':
         tag_params_for_buffer_routing([module])
@@ -97,16 +88,7 @@ def _build(ctx, tp, shapes, expert_names, tp_names, setup):
             ddp_cfg,
             expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
         )
-    model = DistributedDataParallel(cfg, ddp_cfg, module, **kwargs)
-    opt_cfg = OptimizerConfig(
-        optimizer='adam',
-        lr=0.0,
-        bf16=True,
-        clip_grad=0.0,
-        log_num_zeros_in_grad=True,
-        use_layer_wise_distributed_optimizer=True,
-    )
-    return model, layer_wise_optimizer(model, opt_cfg)
+    return DistributedDataParallel(cfg, ddp_cfg, module, **kwargs)
 
 
 def layer_wise_optimizer(model, opt_cfg):
@@ -134,19 +116,6 @@ def layer_wise_optimizer(model, opt_cfg):
     )
 
 
-def _stats(model, optimizer, grads):
-    """Write ``grads`` (name -> local tensor) into main_grad and read the optimizer's statistics."""
-    module = model.module
-    for name, value in grads.items():
-        getattr(module, name).main_grad.copy_(value.reshape(-1, 1))
-    found_inf = optimizer.prepare_grads()
-    return {
-        'found_inf': bool(found_inf),
-        'norm': float(optimizer.get_grad_norm()),
-        'zeros': int(optimizer.count_zeros()),
-    }
-
-
 def scenario_exact_oracle(ctx, tp, ep, etp, setup):
     """One dense ``[1, 1]`` matrix and two expert ones; grads all 1 (norm) or all 0 (zero count).
 
@@ -156,14 +125,8 @@ def scenario_exact_oracle(ctx, tp, ep, etp, setup):
     a whole tensor replicated over expert DP). Expected, whatever TP, ETP and the DP sizes:
     norm sqrt(1 + 2 EP), zero count 1 + 2 EP.
     """
-    from megatron.core import parallel_state as ps
-
     assert etp == 1, 'expert_weight is a whole tensor only with ETP = 1'
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
+    init_parallel(tp=tp, ep=ep, etp=etp)
     shapes = {'dense': 1, 'expert_bias': 1, 'expert_weight': 1}
     model, optimizer = _build(
         ctx, tp, shapes, {'expert_bias', 'expert_weight'}, {'expert_weight'}, setup
@@ -193,43 +156,14 @@ def scenario_layouts(ctx, layout_list, seeds, setups=SETUPS):
         {'cases': [...]} with, per (layout, setup, seed), the reported norm and zero count and
         the FP64 oracle over the logical gradients.
     """
-    from megatron.core import parallel_state as ps
-
-    cases = []
-    for tp, ep, etp in layout_list:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,
-        )
-        try:
-            coords = (
-                ps.get_tensor_model_parallel_rank(),
-                ps.get_expert_model_parallel_rank(),
-                ps.get_expert_tensor_parallel_rank(),
-            )
-            for setup in setups:
-                model, optimizer = _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup)
-                for seed in seeds:
-                    logical = _logical(seed, tp, ep, etp)
-                    local = {k: v.float() for k, v in _local(logical, *coords).items()}
-                    got = _stats(model, optimizer, local)
-                    flat = torch.cat([v.reshape(-1) for v in logical.values()])
-                    cases.append(
-                        {
-                            'layout': [tp, ep, etp],
-                            'setup': setup,
-                            'seed': seed,
-                            'norm': got['norm'],
-                            'zeros': got['zeros'],
-                            'oracle_norm': float(flat.pow(2).sum().sqrt()),
-                            'oracle_zeros': int((flat == 0).sum()),
-                        }
-                    )
-                del model, optimizer
-        finally:
-            ps.destroy_model_parallel()
-    return {'cases': cases}
+    return layout_cases(
+        ctx,
+        layout_list,
+        seeds,
+        'setup',
+        setups,
+        lambda tp, setup: _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup),
+    )
 
 
 def scenario_step(ctx, layout_list, seed, setups=SETUPS, lr=0.5):
@@ -245,21 +179,9 @@ def scenario_step(ctx, layout_list, seed, setups=SETUPS, lr=0.5):
         {'cases': [...]} with, per (layout, setup), the number of param elements on this rank that
         differ from the expected value and the expected sum of |update|.
     """
-    from megatron.core import parallel_state as ps
-
     cases = []
     for tp, ep, etp in layout_list:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,
-        )
-        try:
-            coords = (
-                ps.get_tensor_model_parallel_rank(),
-                ps.get_expert_model_parallel_rank(),
-                ps.get_expert_tensor_parallel_rank(),
-            )
+        with parallel_layout(tp, ep, etp) as coords:
             for setup in setups:
                 model, optimizer = _build(ctx, tp, SHAPES, EXPERT_NAMES, TP_NAMES, setup)
                 for group in optimizer.param_groups:
@@ -277,6 +199,4 @@ def scenario_step(ctx, layout_list, seed, setups=SETUPS, lr=0.5):
                     wrong += int((got != -lr * torch.sign(value)).sum())
                 cases.append({'layout': [tp, ep, etp], 'setup': setup, 'wrong_elements': wrong})
                 del model, optimizer
-        finally:
-            ps.destroy_model_parallel()
     return {'cases': cases}

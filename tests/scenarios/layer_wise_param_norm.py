@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from tests.scenarios.layer_wise_grad_stats import layer_wise_optimizer
+from tests.scenarios.common import ParamBag, import_with_real_cuda, init_parallel, stats_config
+from tests.scenarios.layer_wise_grad_stats import layer_wise_ddp, layer_wise_optimizer
 
 # [rows, 2] bf16 matrices (LayerWise manages matrices only); x0 and x1 are experts
 # (allreduce=False).
@@ -38,48 +39,23 @@ EXPECTED_BEFORE = _norm([v for k in SHAPES for v in _initial(k)])
 EXPECTED_AFTER = _norm([v - LR for k in SHAPES for v in _initial(k)])
 
 
-class _Matrices(torch.nn.Module):
-    def __init__(self, device):
-        super().__init__()
-        for name, rows in SHAPES.items():
-            value = torch.tensor(_initial(name), dtype=torch.bfloat16).reshape(rows, 2)
-            param = torch.nn.Parameter(value.to(device))
-            if name.startswith('x'):
-                param.allreduce = False
-            setattr(self, name, param)
-
-
 def _build(ctx, setup, overlap):
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.layer_wise_optimizer import (
-        LayerWiseDistributedOptimizer,
-        tag_params_for_buffer_routing,
-    )
-    from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=4, bf16=True, params_dtype=torch.bfloat16
-    )
-    module = _Matrices(ctx.device)
+    cfg = stats_config('bf16')
+    values = {
+        name: torch.tensor(_initial(name), dtype=torch.bfloat16).reshape(rows, 2).to(ctx.device)
+        for name, rows in SHAPES.items()
+    }
+    module = ParamBag(values, expert_names=[name for name in SHAPES if name.startswith('x')])
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=setup == 'layout',
         overlap_param_gather=overlap,
         overlap_grad_reduce=overlap,
     )
-    kwargs = {}
-    if setup == 'layout':
-        tag_params_for_buffer_routing([module])
-        kwargs['full_param_layout'] = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            [p for p in module.parameters() if p.requires_grad],
-            ddp_cfg.bucket_size,
-            ps.get_data_parallel_world_size(with_context_parallel=True),
-            ddp_cfg,
-            expert_data_parallel_world_size=ps.get_expert_data_parallel_world_size(),
-        )
-    model = DistributedDataParallel(cfg, ddp_cfg, module, **kwargs)
+    model = layer_wise_ddp(cfg, ddp_cfg, module, setup)
     opt_cfg = OptimizerConfig(
         optimizer='sgd',
         lr=LR,
@@ -107,10 +83,7 @@ def scenario_norm_after_step(ctx, setup='layout', overlap=True):
     """
     from types import SimpleNamespace
 
-    from tests.scenarios.common import init_parallel
-    from tests.scenarios.param_norm import _import_training_utils
-
-    _import_training_utils()
+    import_with_real_cuda('megatron.training.utils')
     from megatron.training.global_vars import set_args
     from megatron.training.utils import calc_params_l2_norm
 

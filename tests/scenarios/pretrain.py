@@ -37,7 +37,7 @@ import tempfile
 
 import torch
 
-from tests.scenarios.warmup import _import_training
+from tests.scenarios.common import import_with_real_cuda, patched
 
 MIRROR_DEFAULT = '/work/.mirror/NVIDIA+Megatron-LM/repo'
 UPSTREAM_TAG = 'core_v0.18.2'
@@ -217,16 +217,6 @@ def _digest(model, optimizer):
 
 
 @contextlib.contextmanager
-def _patched(owner, name, value):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
-
-
-@contextlib.contextmanager
 def _recorders(out):
     """Wrap training_log / train (and run_warmup on the fork) to record what the run did."""
     from megatron.training import training
@@ -264,8 +254,8 @@ def _recorders(out):
         return result
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(training, 'training_log', training_log))
-        stack.enter_context(_patched(training, 'train', train))
+        stack.enter_context(patched(training, 'training_log', training_log))
+        stack.enter_context(patched(training, 'train', train))
         warmup = None
         with contextlib.suppress(ImportError):
             from megatron.training import warmup
@@ -299,8 +289,8 @@ def _recorders(out):
                 finally:
                     call['done'] = True
 
-            stack.enter_context(_patched(training, 'train_step', train_step))
-            stack.enter_context(_patched(training, 'run_warmup', run_warmup))
+            stack.enter_context(patched(training, 'train_step', train_step))
+            stack.enter_context(patched(training, 'run_warmup', run_warmup))
         yield
 
 
@@ -365,7 +355,7 @@ def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
     # Every rank builds dataset indices (MockGPTDataset), so every rank needs the helper.
     _register_helpers(_build_helpers(ctx.tree_path))
 
-    _import_training()
+    import_with_real_cuda('megatron.training.training')
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import initialize, training
 
@@ -380,14 +370,14 @@ def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
 
                 stack.enter_context(cpu_redirect.pretrain_mode())
                 stack.enter_context(
-                    _patched(
+                    patched(
                         training,
                         'initialize_megatron',
                         functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
                     )
                 )
             stack.enter_context(
-                _patched(dataset_utils, 'compile_helpers', _compile_helpers_shim(ctx))
+                patched(dataset_utils, 'compile_helpers', _compile_helpers_shim(ctx))
             )
             stack.enter_context(_recorders(out))
             stack.enter_context(contextlib.redirect_stdout(_Tee(stdout, sys.stdout)))

@@ -28,33 +28,20 @@ import types
 import numpy as np
 import torch
 
-from tests.scenarios.common import Trainer, init_parallel, install_train_loop_hooks
+from tests.scenarios.common import (
+    Trainer,
+    import_with_real_cuda,
+    init_parallel,
+    install_train_loop_hooks,
+)
+from tests.scenarios.common import patched as _patched
 
 MBS = 4
 
 
 def _import_training():
-    """Import megatron.training.training with the real torch.cuda module bound.
-
-    A few modules it pulls in (e.g. the nvshmem resharding service) touch torch.cuda attributes
-    at import time only; the CPU redirect would reject those. No CUDA work happens here.
-    """
-    if 'megatron.training.training' in sys.modules:
-        return
-    try:
-        from tests.harness import cpu_redirect
-    except ImportError:
-        cpu_redirect = None
-    if cpu_redirect is None or not cpu_redirect.installed():
-        import megatron.training.training  # noqa: F401
-
-        return
-    proxy = torch.cuda
-    torch.cuda = cpu_redirect._REAL_CUDA
-    try:
-        import megatron.training.training  # noqa: F401
-    finally:
-        torch.cuda = proxy
+    """Import megatron.training.training with the real torch.cuda module bound."""
+    import_with_real_cuda('megatron.training.training')
 
 
 def _device_rng(scenario):
@@ -464,16 +451,6 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
     except Exception as exc:  # noqa: BLE001 - the upstream assertion is the expected outcome
         out['step_error'] = f'{type(exc).__name__}: {exc}'
     return out
-
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
 
 
 def _resume(trainer, scheduler, args, acc, steps):

@@ -1,6 +1,7 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,14 +12,9 @@ from megatron.core.transformer import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
 
-class _RankGroup:
+def _rank_group(rank: int):
     """Stands in for the dense TP group in the duplicate filter, which only asks for the rank."""
-
-    def __init__(self, rank: int):
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
+    return SimpleNamespace(rank=lambda: rank)
 
 
 class DenseAndExpertParams(torch.nn.Module):
@@ -90,7 +86,7 @@ class TestExpertGradStatsUseExpertTensorParallelGroup:
         Utils.initialize_model_parallel()
         model, optimizer = _ddp_and_optimizer(use_distributed_optimizer, 4, 3)
         for child in optimizer.chained_optimizers:
-            child.tp_group = _RankGroup(1)
+            child.tp_group = _rank_group(1)
 
         grad_norm, _ = _grad_stats(model, optimizer, 1.0)
         assert grad_norm == pytest.approx(math.sqrt(3), rel=1e-6)

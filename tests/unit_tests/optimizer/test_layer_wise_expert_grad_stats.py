@@ -1,6 +1,7 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,14 +24,9 @@ from megatron.core.transformer import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
 
-class _RankGroup:
+def _rank_group(rank: int):
     """Stands in for the dense TP group in the duplicate filter, which only asks for the rank."""
-
-    def __init__(self, rank: int):
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
+    return SimpleNamespace(rank=lambda: rank)
 
 
 class DenseAndExpertMatrices(torch.nn.Module):
@@ -137,7 +133,7 @@ class TestLayerWiseOptimizerExpertGradStats:
         Utils.initialize_model_parallel()
         model, optimizer = _layer_wise_optimizer(1, full_param_layout)
         for target in (optimizer, *optimizer.chained_optimizers):
-            target.tp_group = _RankGroup(1)
+            target.tp_group = _rank_group(1)
 
         grad_norm, _ = _grad_stats(model, optimizer, 1.0)
         assert grad_norm == pytest.approx(math.sqrt(2), rel=1e-6)

@@ -12,24 +12,18 @@ from megatron.training.utils import common_utils
 from tests.unit_tests.test_utilities import Utils
 
 
-class _RankGroup:
+def _rank_group(rank: int):
     """Stands in for the dense TP group in the duplicate filter, which only asks for the rank."""
-
-    def __init__(self, rank: int):
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
+    return SimpleNamespace(rank=lambda: rank)
 
 
-class DenseAndExpertParams(torch.nn.Module):
+def _dense_and_expert(dense_numel: int, expert_numel: int):
     """A replicated dense param and an expert param (allreduce=False), neither TP-split."""
-
-    def __init__(self, dense_numel: int, expert_numel: int):
-        super().__init__()
-        self.dense = torch.nn.Parameter(torch.ones(dense_numel))
-        self.expert = torch.nn.Parameter(torch.ones(expert_numel))
-        self.expert.allreduce = False
+    model = torch.nn.ParameterDict(
+        {"dense": torch.ones(dense_numel), "expert": torch.ones(expert_numel)}
+    )
+    model.expert.allreduce = False
+    return model.cuda()
 
 
 @pytest.fixture
@@ -56,15 +50,15 @@ class TestParamNormExpertTensorParallelGroup:
         Utils.initialize_model_parallel()
         monkeypatch.setattr(tp_layers, "get_tensor_model_parallel_rank", lambda: 1)
         monkeypatch.setattr(
-            parallel_state, "get_tensor_model_parallel_group", lambda *a, **k: _RankGroup(1)
+            parallel_state, "get_tensor_model_parallel_group", lambda *a, **k: _rank_group(1)
         )
-        model = DenseAndExpertParams(4, 3).cuda()
+        model = _dense_and_expert(4, 3)
         assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(3))
 
     def test_all_params_counted_on_tp_rank_zero(self, fp32_args):
         """World 1 without stubs: every param counts (unchanged behaviour)."""
         Utils.initialize_model_parallel()
-        model = DenseAndExpertParams(4, 3).cuda()
+        model = _dense_and_expert(4, 3)
         assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(7))
 
     def test_tp_equals_ep_equals_world_with_etp_one(self, fp32_args):
@@ -77,5 +71,5 @@ class TestParamNormExpertTensorParallelGroup:
             expert_model_parallel_size=world,
             expert_tensor_parallel_size=1,
         )
-        model = DenseAndExpertParams(1, 1).cuda()
+        model = _dense_and_expert(1, 1)
         assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(1 + world))
