@@ -54,16 +54,14 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /opt/megatron-fork
 COPY . /opt/megatron-fork
 # Same installer as everywhere else; --no-torch keeps the NGC torch (and TE/apex built against it).
-RUN if [ "${OFFLINE}" = 1 ]; then \
-        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}" --offline; \
-    elif [ -d "${UPSTREAM_WHEEL_DIR}" ]; then \
-        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}"; \
-    else \
-        bash tools/install.sh --python python3 --no-venv --no-torch; \
-    fi
-# Smoke: the installed fork matches its manifest, and both packages import from site-packages
-# (python -P keeps the working directory, whose megatron/ could shadow the install, off sys.path).
-RUN python tools/fork.py verify \
+# The wheel kit when there is one (--offline needs it), then the smoke: the installed fork matches
+# its manifest and both packages import from site-packages (python -P keeps the working directory,
+# whose megatron/ could shadow the install, off sys.path).
+# hadolint ignore=SC2046
+RUN bash tools/install.sh --python python3 --no-venv --no-torch \
+        $( [ "${OFFLINE}" = 1 ] && echo --offline ) \
+        $( [ -d "${UPSTREAM_WHEEL_DIR}" ] && echo --wheel-dir "${UPSTREAM_WHEEL_DIR}" ) \
+    && python tools/fork.py verify \
     && python -P -c "import megatron.core, megatron.training; print(megatron.core.__file__)"
 
 # ---------------------------------------------------------------------------------------------
@@ -78,14 +76,12 @@ RUN python -m pip install --no-deps --no-index /tmp/te-wheels/*.whl \
     && python -c "import transformer_engine.pytorch"
 WORKDIR /opt/megatron-fork
 COPY . /opt/megatron-fork
-RUN if [ "${OFFLINE}" = 1 ]; then \
-        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}" --offline; \
-    elif [ -d "${UPSTREAM_WHEEL_DIR}" ]; then \
-        bash tools/install.sh --python python3 --no-venv --no-torch --wheel-dir "${UPSTREAM_WHEEL_DIR}"; \
-    else \
-        bash tools/install.sh --python python3 --no-venv --no-torch; \
-    fi
-RUN python tools/fork.py verify \
+# Installed and smoke-tested as in the cuda stage.
+# hadolint ignore=SC2046
+RUN bash tools/install.sh --python python3 --no-venv --no-torch \
+        $( [ "${OFFLINE}" = 1 ] && echo --offline ) \
+        $( [ -d "${UPSTREAM_WHEEL_DIR}" ] && echo --wheel-dir "${UPSTREAM_WHEEL_DIR}" ) \
+    && python tools/fork.py verify \
     && python -P -c "import megatron.core, megatron.training; print(megatron.core.__file__)"
 
 # The last stage is the default target; keep it the CUDA one.
