@@ -16,6 +16,11 @@ every rank, for each warmup step and the first real steps after it:
 - ``other``: the rest of the step (zeroing grads, schedule bookkeeping, loss averaging).
 - ``fwd1@``: when the stage's first forward started, from the start of its step.
 
+and, per rank, what ``run_warmup()`` spends outside its steps: ``stage`` (building the
+``TrainingStateSnapshot``: host staging), ``sync`` (the all-reduce after each step that tells every
+rank whether a step failed anywhere; it waits for the slowest stage), ``restore`` and ``gc`` (the
+final ``gc.collect()``).
+
 Nothing is changed in what runs: the timers wrap upstream functions by module attribute (the
 originals run) and add no barrier or synchronization. The model is a small local-spec GPT (mock
 data, bf16, DDP with overlap_grad_reduce and the distributed optimizer), seeds fixed (``--seed``
@@ -76,13 +81,19 @@ class _Recorder:
         self.step = None
         self.steps = []
         self.warmup_seconds = None
+        self.outside = {}  # run_warmup()'s own work outside the steps: stage, sync, restore, gc
 
     def add(self, key, seconds):
         if self.step is not None:
             self.step[key] = self.step.get(key, 0.0) + seconds
 
+    def add_outside(self, key, seconds):
+        self.outside[key] = self.outside.get(key, 0.0) + seconds
 
-def _timed(rec, key, fn, on_start=None):
+
+def _timed(rec, key, fn, on_start=None, outside=False):
+    add = rec.add_outside if outside else rec.add
+
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         start = time.perf_counter()
@@ -91,7 +102,7 @@ def _timed(rec, key, fn, on_start=None):
         try:
             return fn(*a, **kw)
         finally:
-            rec.add(key, time.perf_counter() - start)
+            add(key, time.perf_counter() - start)
 
     return wrapper
 
@@ -108,8 +119,10 @@ def _patched(owner, name, value):
 
 @contextlib.contextmanager
 def _instrument(rec):
+    import gc
+
     from megatron.core.pipeline_parallel import p2p_communication, schedules
-    from megatron.training import training
+    from megatron.training import state_snapshot, training, warmup
 
     def first_forward(start, a, kw):
         if rec.step is not None and 'fwd1_at' not in rec.step:
@@ -146,11 +159,22 @@ def _instrument(rec):
 
     original_run = training.run_warmup
 
+    snapshot_cls = state_snapshot.TrainingStateSnapshot
+
     @functools.wraps(original_run)
     def run_warmup(*a, **kw):
         rec.phase = 'warmup'
         try:
-            report = original_run(*a, **kw)
+            with contextlib.ExitStack() as stack:
+                for owner, name, key in (
+                    (snapshot_cls, '__init__', 'stage'),
+                    (snapshot_cls, 'restore', 'restore'),
+                    (warmup, '_failed_ranks', 'sync'),
+                    (gc, 'collect', 'gc'),
+                ):
+                    timed = _timed(rec, key, getattr(owner, name), outside=True)
+                    stack.enter_context(_patched(owner, name, timed))
+                report = original_run(*a, **kw)
             rec.warmup_seconds = report.seconds
             return report
         finally:
@@ -197,6 +221,7 @@ def scenario_timing(ctx, argv, tag):
         'exit': out.get('exit'),
         'losses_logged': len(out.get('iterations', [])),
         'warmup_seconds': rec.warmup_seconds,
+        'outside_steps': rec.outside,
         'steps': rec.steps,
     }
 
@@ -305,11 +330,18 @@ def main():
     print(table(runs))
     for (spec, arm), repeats in runs.items():
         if arm == 'warmup':
-            secs = ', '.join(
-                _ms(_median([per_rank[r]['warmup_seconds'] for per_rank in repeats]))
-                for r in range(len(repeats[0]))
-            )
-            print(f'\n{spec}: run_warmup() in total per rank (steps, staging, restore), ms: {secs}')
+            print(f'\n{spec}: run_warmup() outside its steps, per rank (median ms):')
+            for r in range(len(repeats[0])):
+                parts = {'total': [rep[r]['warmup_seconds'] for rep in repeats]}
+                for key in ('stage', 'sync', 'restore', 'gc'):
+                    parts[key] = [rep[r]['outside_steps'].get(key) for rep in repeats]
+                steps = [
+                    sum(s['wall'] for s in rep[r]['steps'] if s['phase'] == 'warmup')
+                    for rep in repeats
+                ]
+                parts['steps'] = steps
+                text = ', '.join(f'{k} {_ms(_median(v))}' for k, v in parts.items())
+                print(f"  rank {r} (stage {repeats[0][r]['pp_rank']}): {text}")
     if opts.out:
         with open(opts.out, 'w') as f:
             json.dump({f'{spec} {arm}': reps for (spec, arm), reps in runs.items()}, f, indent=1)
