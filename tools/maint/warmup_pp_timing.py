@@ -84,10 +84,12 @@ class _Recorder:
         self.outside = {}  # run_warmup()'s own work outside the steps: stage, sync, restore, gc
 
     def add(self, key, seconds):
+        """Add ``seconds`` to ``key`` of the step that is running (none: ignored)."""
         if self.step is not None:
             self.step[key] = self.step.get(key, 0.0) + seconds
 
     def add_outside(self, key, seconds):
+        """Add ``seconds`` to ``key`` of run_warmup()'s own work outside the steps."""
         self.outside[key] = self.outside.get(key, 0.0) + seconds
 
 
@@ -273,6 +275,7 @@ def table(runs):
 
 
 def main():
+    """Run each layout (and arm, and repeat) in its own world; print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--layout', action='append', default=None, metavar='WORLD:PP')
     parser.add_argument('--warmup-steps', type=int, default=3)
