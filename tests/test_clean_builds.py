@@ -20,9 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 from megatron_fork import series, upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
-PIN = upstream.load_pin()
-RELEASES = [b for b in PIN["maintained"] if not upstream.is_git_base(PIN, b)]
+WS = Workspace(REPO)
+PIN = upstream.load_pin(WS.pin_file)
+RELEASES = upstream.releases(PIN)
 
 
 def _megatron_files(wheel):
@@ -33,7 +35,7 @@ def _megatron_files(wheel):
 def _added_by_series(base):
     """The files that ``patches/<base>/series`` creates or deletes."""
     added, deleted = set(), set()
-    for patch in series.load_series(series.series_dir(base)):
+    for patch in series.load_series(WS.patch_dir(base)):
         text = patch.path.read_text()
         for path, mode in re.findall(
             r"^diff --git a/\S+ b/(\S+)\n(new|deleted) file mode", text, re.M
