@@ -15,21 +15,23 @@ there; :func:`upstream_has` reads that from ``patches/changes.toml`` so a counte
 assert agreement instead of a failure.
 """
 
-import hashlib
 import os
-import tomllib
+import sys
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PATCHES = os.path.join(REPO, 'patches')
+# The repository's own tool (not an installed copy) reads the pin, the series and the workspace.
+if os.path.join(REPO, 'tools') not in sys.path:
+    sys.path.insert(0, os.path.join(REPO, 'tools'))
 
+from megatron_fork import series as _series  # noqa: E402  pylint: disable=wrong-import-position
+from megatron_fork import upstream as _upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
-def _toml(name):
-    with open(os.path.join(PATCHES, name), 'rb') as f:
-        return tomllib.load(f)
-
-
-PIN = _toml('upstream.toml')
-CHANGES = _toml('changes.toml').get('changes', {})
+WORKSPACE = Workspace(Path(REPO))
+PATCHES = str(WORKSPACE.patch_root)
+PIN = _upstream.load_pin(WORKSPACE.pin_file)
+CHANGES = _series.load_changes(WORKSPACE.patch_root)
 DEV_REPO = os.environ.get('FORK_TEST_DEV_REPO') or None
 BASE = os.environ.get('FORK_TEST_BASE') or PIN['default']
 if BASE not in PIN['maintained']:
@@ -38,12 +40,12 @@ if BASE not in PIN['maintained']:
     )
 FORK = 'fork'
 PRISTINE = f'pristine-{BASE}'
-RELEASES = [b for b in PIN['maintained'] if 'commit' not in PIN['bases'][b]]
+RELEASES = _upstream.releases(PIN)
 
 
 def is_git_base(base):
     """True when ``base`` is pinned as a Megatron-LM commit (needs FORK_TEST_DEV_REPO)."""
-    return 'commit' in PIN['bases'][base]
+    return _upstream.is_git_base(PIN, base)
 
 
 def upstream_has(change, base=None):
@@ -64,26 +66,19 @@ def carries(change, base=None):
     return CHANGES.get(change, {}).get('bases', {}).get(base or BASE) == 'carried'
 
 
+def series_entries(base):
+    """The entries of ``patches/<base>/series``, in order (``fork/0001-x.patch``, ...)."""
+    return _series.read_series(WORKSPACE.patch_dir(base))
+
+
 def series_digest(base):
-    """sha256 of ``patches/<base>/series`` entries and bytes (what a fork tree was built from)."""
-    root = os.path.join(PATCHES, base)
-    digest = hashlib.sha256()
-    with open(os.path.join(root, 'series')) as f:
-        entries = [line.split('#', 1)[0].strip() for line in f]
-    for entry in filter(None, entries):
-        digest.update(f'{entry}\n'.encode())
-        with open(os.path.join(root, entry), 'rb') as patch:
-            digest.update(patch.read())
-    return digest.hexdigest()
+    """The digest of ``patches/<base>/series`` (entries, bytes) that a fork tree is built from."""
+    return _series.series_digest(_series.load_series(WORKSPACE.patch_dir(base)))
 
 
 def working_tree_base():
     """The base the repository's megatron/ was materialized from (None if none)."""
-    path = os.path.join(REPO, '.pq', 'fork-base')
-    if not os.path.isdir(os.path.join(REPO, 'megatron')) or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read().strip()
+    return WORKSPACE.base()
 
 
 def upstream_ref(base=None):
