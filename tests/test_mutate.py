@@ -187,7 +187,7 @@ def test_refuses_a_tree_the_tests_do_not_import():
     repository itself: mutating build/trees/fork-<base> would let every mutation "survive"."""
     from tests.harness import bases  # pylint: disable=import-outside-toplevel
 
-    base = bases.working_tree_base()
+    base = bases.WORKSPACE.base()
     if base is None:
         pytest.skip('megatron/ is not materialized in this checkout')
     tree = REPO / 'build' / 'trees' / f'fork-{base}'

@@ -28,6 +28,8 @@ from megatron_fork import series as _series  # noqa: E402  pylint: disable=wrong
 from megatron_fork import upstream as _upstream  # noqa: E402  pylint: disable=C0413
 from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
+# The repository's megatron/, .pq/, patches/ and build/; WORKSPACE.base() is the base megatron/
+# was materialized from (None if none).
 WORKSPACE = Workspace(Path(REPO))
 PATCHES = str(WORKSPACE.patch_root)
 PIN = _upstream.load_pin(WORKSPACE.pin_file)
@@ -43,11 +45,6 @@ PRISTINE = f'pristine-{BASE}'
 RELEASES = _upstream.releases(PIN)
 
 
-def is_git_base(base):
-    """True when ``base`` is pinned as a Megatron-LM commit (needs FORK_TEST_DEV_REPO)."""
-    return _upstream.is_git_base(PIN, base)
-
-
 def upstream_has(change, base=None):
     """True when upstream ``base`` (default: the selected one) already contains ``change``.
 
@@ -58,7 +55,7 @@ def upstream_has(change, base=None):
     """
     if change not in CHANGES:
         raise KeyError(f'unknown change {change!r}; known: {", ".join(CHANGES)}')
-    return isinstance(CHANGES[change].get('bases', {}).get(base or BASE), dict)
+    return _series.upstream_record(CHANGES, change, base or BASE) is not None
 
 
 def carries(change, base=None):
@@ -69,16 +66,6 @@ def carries(change, base=None):
 def series_entries(base):
     """The entries of ``patches/<base>/series``, in order (``fork/0001-x.patch``, ...)."""
     return _series.read_series(WORKSPACE.patch_dir(base))
-
-
-def series_digest(base):
-    """The digest of ``patches/<base>/series`` (entries, bytes) that a fork tree is built from."""
-    return _series.series_digest(_series.load_series(WORKSPACE.patch_dir(base)))
-
-
-def working_tree_base():
-    """The base the repository's megatron/ was materialized from (None if none)."""
-    return WORKSPACE.base()
 
 
 def upstream_ref(base=None):
@@ -93,7 +80,7 @@ def upstream_ref(base=None):
 
 def source_args(base):
     """Extra tools/fork.py arguments to obtain ``base`` (the checkout for a git base)."""
-    if not is_git_base(base):
+    if not _upstream.is_git_base(PIN, base):
         return []
     if not DEV_REPO:
         raise RuntimeError(

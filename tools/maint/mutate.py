@@ -121,7 +121,7 @@ def check_tree_is_tested(tree):
     except RuntimeError as exc:  # FORK_TEST_BASE names no maintained base
         raise SpecError(str(exc)) from None
     base = bases.BASE
-    if bases.working_tree_base() == base:
+    if bases.WORKSPACE.base() == base:
         trees = REPO / 'build' / 'trees'
         if trees in Path(tree).resolve().parents:
             raise SpecError(
