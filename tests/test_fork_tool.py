@@ -367,6 +367,30 @@ def test_interrupted_apply_leaves_previous_tree(sandbox):
     assert not list((sandbox / "build").glob(".materialize-*"))
 
 
+def test_base_and_series_answer_the_scripts(sandbox):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    (series_dir(sandbox) / "series").write_text("# the series\n0001-a.patch  # a comment\n\n")
+    for args in (("base",), ("base", "--default"), ("base", "--releases"),
+                 ("base", "--materialized")):  # fmt: skip
+        proc = run(sandbox, *args)
+        assert (proc.returncode, proc.stdout) == (0, f"{BASE}\n"), (args, proc.stderr)
+    proc = run(sandbox, "series")
+    assert (proc.returncode, proc.stdout) == (0, "0001-a.patch\n"), proc.stderr
+    shutil.rmtree(sandbox / "megatron")
+    proc = run(sandbox, "base", "--materialized")
+    assert proc.returncode == 1 and "not materialized: run `tools/fork.py materialize`" in (
+        _one_line(proc)
+    )
+    assert run(sandbox, "base").stdout == f"{BASE}\n"  # the pin's default
+    proc = run(sandbox, "series", "--base", "9.9.9")
+    assert proc.returncode == 2 and "unknown base '9.9.9'" in _one_line(proc)
+
+
 def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
     pristine = (sandbox / TARGET).read_text()
     make_patch(
