@@ -63,7 +63,7 @@ def base_entry(pin, name):
     bases = pin["bases"]
     if name not in bases:
         raise ForkError(
-            f"unknown base {name!r}: {PIN_LABEL} pins {', '.join(bases)}; " "pass one of those",
+            f"unknown base {name!r}: {PIN_LABEL} pins {', '.join(bases)}; pass one of those",
             EXIT_USAGE,
         )
     return bases[name]
