@@ -3,8 +3,10 @@
 N counts the carried patches and digest8 is the first 8 hex digits of the series digest (entries
 and bytes), so the label changes whenever the carried series changes. A dev build appends
 ``.dev.<commit8>``. The sources are the materialized tree ``megatron/`` (pinned upstream +
-``patches/<base>/series``), which ``tools/fork.py materialize`` creates; this script materializes
-it when it is missing (base: $MEGATRON_FORK_BASE, else the pin's default). The dataset
+``patches/<base>/series``), which ``tools/fork.py materialize`` creates; a build (``build``,
+hence ``bdist_wheel`` and ``pip install``) materializes it when it is missing (base:
+$MEGATRON_FORK_BASE, else the pin's default). Metadata commands (``--version``, ``egg_info``)
+never touch the tree: the version comes from the series files alone. The dataset
 helper ``helpers.cpp`` is compiled for the running Python. The package ``megatron_fork`` (our
 tooling) ships alongside, with a manifest of the base, its hashes and the applied patches, so that
 ``megatron-fork verify`` can check an installation.
@@ -32,33 +34,40 @@ from megatron_fork import (  # noqa: E402  pylint: disable=C0413
     sources,
     upstream,
 )
+from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
 try:
     from pybind11.setup_helpers import Pybind11Extension
 except ImportError:  # building metadata only
     Pybind11Extension = None
 
-PIN = upstream.load_pin()
-WS = queue.Workspace(HERE)
-if WS.base() is None:  # a fresh clone's megatron/ holds only the fork's source files
-    BASE = os.environ.get("MEGATRON_FORK_BASE") or PIN["default"]
-    subprocess.run(
-        [sys.executable, str(HERE / "tools" / "fork.py"), "materialize", "--base", BASE], check=True
-    )
-BASE = WS.base()
+WS = Workspace(HERE)
+PIN = upstream.load_pin(WS.pin_file)
+# The base megatron/ was built on; a build that materializes it uses $MEGATRON_FORK_BASE.
+BASE = WS.base() or os.environ.get("MEGATRON_FORK_BASE") or PIN["default"]
 PATCHES = series.load_series(WS.patch_dir(BASE))
 VERSION = (
     f"{PIN['bases'][BASE]['version']}+fork.{len(PATCHES)}.g{series.series_digest(PATCHES)[:8]}"
 )
-if "commit" in PIN["bases"][BASE]:
+if upstream.is_git_base(PIN, BASE):
     VERSION += f".dev.{PIN['bases'][BASE]['commit'][:8]}"
 
-if not queue.is_current(WS) and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
-    sys.exit(
-        "megatron/ does not match patches/ (edits not exported, or patches changed since it was "
-        "materialized). Run `tools/fork.py export` or `tools/fork.py materialize`; set "
-        "MEGATRON_FORK_ALLOW_STALE=1 to build it anyway."
-    )
+
+def prepare_tree():
+    """Materialize megatron/ if it was not (a fresh clone's holds only the fork's source files);
+    refuse one that does not match patches/.
+
+    Only a build calls it: metadata commands read the series, never the tree.
+    """
+    if WS.base() is None:
+        tool = [sys.executable, str(HERE / "tools" / "fork.py")]
+        subprocess.run([*tool, "materialize", "--base", BASE], check=True)
+    if not queue.is_current(WS, BASE) and not os.environ.get("MEGATRON_FORK_ALLOW_STALE"):
+        sys.exit(
+            "megatron/ does not match patches/ (edits not exported, or patches changed since it "
+            "was materialized). Run `tools/fork.py export` or `tools/fork.py materialize`; set "
+            "MEGATRON_FORK_ALLOW_STALE=1 to build it anyway."
+        )
 
 
 # The same requirements and extras as the upstream release the fork replaces, read from its
@@ -89,7 +98,13 @@ class CleanBuildPerBase(build):
         self.build_base = str(WS.dist_build_dir(BASE))
 
     def run(self):
-        """Remove what any earlier build left, then build."""
+        """Materialize the tree if needed, remove what any earlier build left, then build."""
+        listed = WS.base() is not None
+        prepare_tree()
+        if not listed:  # setup() listed the packages of a tree that was not there yet
+            self.distribution.packages = packages()
+            self.distribution.package_data = package_data()
+            self.reinitialize_command("build_py")
         shutil.rmtree(self.build_lib, ignore_errors=True)
         super().run()
 
@@ -110,6 +125,13 @@ class BuildPyWithManifest(build_py):
         out = Path(self.build_lib) / "megatron_fork" / manifest.MANIFEST_NAME
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def packages():
+    """The packages the wheel ships: upstream's megatron.core and megatron.training, our tool."""
+    return find_namespace_packages(include=["megatron.core*", "megatron.training*"]) + [
+        "megatron_fork"
+    ]
 
 
 def package_data():
@@ -145,8 +167,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache 2.0",
     python_requires=">=3.12",
-    packages=find_namespace_packages(include=["megatron.core*", "megatron.training*"])
-    + ["megatron_fork"],
+    packages=packages(),
     package_dir={"megatron_fork": "tools/megatron_fork"},
     package_data=package_data(),
     ext_modules=ext_modules,

@@ -20,9 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 from megatron_fork import series, upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
-PIN = upstream.load_pin()
-RELEASES = [b for b in PIN["maintained"] if not upstream.is_git_base(PIN, b)]
+WS = Workspace(REPO)
+PIN = upstream.load_pin(WS.pin_file)
+RELEASES = upstream.releases(PIN)
 
 
 def _megatron_files(wheel):
@@ -33,7 +35,7 @@ def _megatron_files(wheel):
 def _added_by_series(base):
     """The files that ``patches/<base>/series`` creates or deletes."""
     added, deleted = set(), set()
-    for patch in series.load_series(series.series_dir(base)):
+    for patch in series.load_series(WS.patch_dir(base)):
         text = patch.path.read_text()
         for path, mode in re.findall(
             r"^diff --git a/\S+ b/(\S+)\n(new|deleted) file mode", text, re.M
@@ -42,10 +44,8 @@ def _added_by_series(base):
     return {p for p in added if p.startswith("megatron/")}, deleted
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
-    """A copy of the checkout's tracked and untracked (not ignored) files."""
-    dest = tmp_path_factory.mktemp("clean-builds") / "repo"
+def _copy(dest):
+    """Copy the checkout's tracked and untracked (not ignored) files to ``dest``."""
     files = subprocess.run(
         ["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
         check=True,
@@ -56,6 +56,27 @@ def checkout(tmp_path_factory):
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, dest / rel)
     return dest
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """A copy of the checkout's tracked and untracked (not ignored) files."""
+    return _copy(tmp_path_factory.mktemp("clean-builds") / "repo")
+
+
+def test_metadata_commands_do_not_materialize(tmp_path):
+    """``setup.py --version`` and ``egg_info`` read the series; only a build makes megatron/."""
+    repo = _copy(tmp_path / "repo")
+    for cmd in (["--version"], ["-q", "egg_info", "--egg-base", str(tmp_path)]):
+        proc = subprocess.run(
+            [sys.executable, "setup.py", *cmd], cwd=repo, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not (repo / "megatron").exists() and not (repo / ".pq").exists(), cmd
+    version = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=repo, capture_output=True, text=True
+    ).stdout.split()[-1]
+    assert re.fullmatch(rf"{re.escape(PIN['default'])}\+fork\.\d+\.g[0-9a-f]{{8}}", version)
 
 
 def _build(checkout, base, out):

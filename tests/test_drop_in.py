@@ -143,10 +143,10 @@ def test_requirements_and_extras_match_upstream():
         ' json.loads(mf.installed_manifest().read_text())["base"]]))'
     )
     extras, requires, base = json.loads(out.splitlines()[-1])
-    sys.path.insert(0, str(REPO / 'tools'))
     from megatron_fork import dist, upstream
 
-    pin = upstream.load_pin()
+    from tests.harness.bases import PIN as pin  # conftest: bases put the repo's tools/ on sys.path
+
     wheel = upstream.fetch_wheel(pin, base["name"], offline=True)
     text = dist.wheel_metadata(wheel)
     upstream_extras = [

@@ -322,6 +322,37 @@ def test_offline_from_local_git_checkout_at_named_revision(sandbox, tmp_path):
     assert proc.returncode == 3 and "is not megatron-core 0.18.2" in proc.stderr
 
 
+# Runs the sandbox's CLI in-process with the step that checks each patch wrapped: before the
+# patch numbered argv[2] (0-based) it raises KeyboardInterrupt ("interrupt", as Ctrl-C would)
+# or says "paused" and sleeps, so that the test sends a real signal mid-series ("pause").
+MIDWAY = """
+import sys, time
+sys.path.insert(0, "tools")
+from megatron_fork import cli, queue
+action, at, real, seen = sys.argv[1], int(sys.argv[2]), queue.classify, []
+def classify(patch, tree):
+    if len(seen) == at and action == "interrupt":
+        raise KeyboardInterrupt(f"interrupted before patch {at}")
+    if len(seen) == at:
+        print("paused", file=sys.stderr, flush=True)
+        time.sleep(120)
+    seen.append(patch.name)
+    return real(patch, tree)
+queue.classify = classify
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+def midway(sandbox, action, at, *args):
+    """Start the sandbox's CLI with ``args`` under MIDWAY (see there); return the Popen."""
+    return subprocess.Popen(
+        [sys.executable, "-c", MIDWAY, action, str(at), *args],
+        cwd=sandbox,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_interrupted_apply_leaves_previous_tree(sandbox):
     flip_overlap(sandbox, "0001-a.patch")
     make_patch(
@@ -333,10 +364,36 @@ def test_interrupted_apply_leaves_previous_tree(sandbox):
     )
     add_to_series(sandbox, "0001-a.patch", "0002-b.patch")
     before = tree_digest(sandbox)
-    proc = run(sandbox, "materialize", "--test-interrupt-after", "1")
-    assert proc.returncode == 130 and "left as it was" in proc.stderr
+    proc = midway(sandbox, "interrupt", 1, "materialize")
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "left as it was" in err, err
+    assert "interrupted before patch 1" in err  # the first patch was applied, in the temporary tree
     assert tree_digest(sandbox) == before
     assert not list((sandbox / "build").glob(".materialize-*"))
+
+
+def test_base_and_series_answer_the_scripts(sandbox):
+    make_patch(
+        sandbox,
+        "0001-a.patch",
+        "overlap_grad_reduce: bool = False",
+        "overlap_grad_reduce: bool = True",
+    )
+    (series_dir(sandbox) / "series").write_text("# the series\n0001-a.patch  # a comment\n\n")
+    for args in (("base",), ("base", "--default"), ("base", "--releases"),
+                 ("base", "--materialized")):  # fmt: skip
+        proc = run(sandbox, *args)
+        assert (proc.returncode, proc.stdout) == (0, f"{BASE}\n"), (args, proc.stderr)
+    proc = run(sandbox, "series")
+    assert (proc.returncode, proc.stdout) == (0, "0001-a.patch\n"), proc.stderr
+    shutil.rmtree(sandbox / "megatron")
+    proc = run(sandbox, "base", "--materialized")
+    assert proc.returncode == 1 and "not materialized: run `tools/fork.py materialize`" in (
+        _one_line(proc)
+    )
+    assert run(sandbox, "base").stdout == f"{BASE}\n"  # the pin's default
+    proc = run(sandbox, "series", "--base", "9.9.9")
+    assert proc.returncode == 2 and "unknown base '9.9.9'" in _one_line(proc)
 
 
 def test_status_classifies_clean_offset_fuzz_conflict_and_upstream(sandbox):
@@ -563,18 +620,7 @@ def test_sigint_and_sigterm_leave_the_tree_and_no_temporary_folder(sandbox, sig,
     flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     before = tree_digest(sandbox)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(sandbox / "tools" / "fork.py"),
-            "materialize",
-            "--test-pause-after",
-            "0",
-        ],
-        cwd=sandbox,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = midway(sandbox, "pause", 0, "materialize")
     assert proc.stderr.readline().strip() == "paused"
     proc.send_signal(sig)
     err = proc.communicate(timeout=60)[1]

@@ -185,10 +185,11 @@ def test_repository_specs_are_well_formed():
 def test_refuses_a_tree_the_tests_do_not_import():
     """For the base the repository's megatron/ is materialized from, the harness imports the
     repository itself: mutating build/trees/fork-<base> would let every mutation "survive"."""
-    marker = REPO / '.pq' / 'fork-base'
-    if not marker.is_file() or not (REPO / 'megatron').is_dir():
+    from tests.harness import bases  # pylint: disable=import-outside-toplevel
+
+    base = bases.WORKSPACE.base()
+    if base is None:
         pytest.skip('megatron/ is not materialized in this checkout')
-    base = marker.read_text().strip()
     tree = REPO / 'build' / 'trees' / f'fork-{base}'
     proc = subprocess.run(
         [sys.executable, str(MUTATE), '--tree', str(tree), '--list'],

@@ -92,7 +92,7 @@ if [ "$test_deps" = 1 ]; then
 fi
 
 if [ -z "$base" ]; then
-  base=$($py -c 'import tomllib; print(tomllib.load(open("patches/upstream.toml", "rb"))["default"])')
+  base=$($py tools/fork.py base --default)
 fi
 src=(--base "$base")
 [ -n "$wheel_dir" ] && src+=(--wheel-dir "$wheel_dir")

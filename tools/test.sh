@@ -12,9 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 tools/install.sh --test-deps || exit $?
 py=.venv/bin/python
-default=$($py -c 'import tomllib; print(tomllib.load(open("patches/upstream.toml", "rb"))["default"])')
-releases=$($py -c 'import tomllib; p = tomllib.load(open("patches/upstream.toml", "rb"))
-print(" ".join(b for b in p["maintained"] if "commit" not in p["bases"][b]))')
+default=$($py tools/fork.py base --default) || exit $?
+releases=$($py tools/fork.py base --releases) || exit $?
 # The counterfactual files: each arm runs the real upstream code of the selected base.
 counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_warmup_pp.py tests/test_expert_grad_stats.py
   tests/test_ddp_training.py tests/test_grad_ready_diagnostics.py tests/test_attention_sink_grad_stats.py

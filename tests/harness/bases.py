@@ -15,21 +15,25 @@ there; :func:`upstream_has` reads that from ``patches/changes.toml`` so a counte
 assert agreement instead of a failure.
 """
 
-import hashlib
 import os
-import tomllib
+import sys
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PATCHES = os.path.join(REPO, 'patches')
+# The repository's own tool (not an installed copy) reads the pin, the series and the workspace.
+if os.path.join(REPO, 'tools') not in sys.path:
+    sys.path.insert(0, os.path.join(REPO, 'tools'))
 
+from megatron_fork import series as _series  # noqa: E402  pylint: disable=wrong-import-position
+from megatron_fork import upstream as _upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
-def _toml(name):
-    with open(os.path.join(PATCHES, name), 'rb') as f:
-        return tomllib.load(f)
-
-
-PIN = _toml('upstream.toml')
-CHANGES = _toml('changes.toml').get('changes', {})
+# The repository's megatron/, .pq/, patches/ and build/; WORKSPACE.base() is the base megatron/
+# was materialized from (None if none).
+WORKSPACE = Workspace(Path(REPO))
+PATCHES = str(WORKSPACE.patch_root)
+PIN = _upstream.load_pin(WORKSPACE.pin_file)
+CHANGES = _series.load_changes(WORKSPACE.patch_root)
 DEV_REPO = os.environ.get('FORK_TEST_DEV_REPO') or None
 BASE = os.environ.get('FORK_TEST_BASE') or PIN['default']
 if BASE not in PIN['maintained']:
@@ -38,12 +42,7 @@ if BASE not in PIN['maintained']:
     )
 FORK = 'fork'
 PRISTINE = f'pristine-{BASE}'
-RELEASES = [b for b in PIN['maintained'] if 'commit' not in PIN['bases'][b]]
-
-
-def is_git_base(base):
-    """True when ``base`` is pinned as a Megatron-LM commit (needs FORK_TEST_DEV_REPO)."""
-    return 'commit' in PIN['bases'][base]
+RELEASES = _upstream.releases(PIN)
 
 
 def upstream_has(change, base=None):
@@ -56,7 +55,7 @@ def upstream_has(change, base=None):
     """
     if change not in CHANGES:
         raise KeyError(f'unknown change {change!r}; known: {", ".join(CHANGES)}')
-    return isinstance(CHANGES[change].get('bases', {}).get(base or BASE), dict)
+    return _series.upstream_record(CHANGES, change, base or BASE) is not None
 
 
 def carries(change, base=None):
@@ -64,26 +63,9 @@ def carries(change, base=None):
     return CHANGES.get(change, {}).get('bases', {}).get(base or BASE) == 'carried'
 
 
-def series_digest(base):
-    """sha256 of ``patches/<base>/series`` entries and bytes (what a fork tree was built from)."""
-    root = os.path.join(PATCHES, base)
-    digest = hashlib.sha256()
-    with open(os.path.join(root, 'series')) as f:
-        entries = [line.split('#', 1)[0].strip() for line in f]
-    for entry in filter(None, entries):
-        digest.update(f'{entry}\n'.encode())
-        with open(os.path.join(root, entry), 'rb') as patch:
-            digest.update(patch.read())
-    return digest.hexdigest()
-
-
-def working_tree_base():
-    """The base the repository's megatron/ was materialized from (None if none)."""
-    path = os.path.join(REPO, '.pq', 'fork-base')
-    if not os.path.isdir(os.path.join(REPO, 'megatron')) or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read().strip()
+def series_entries(base):
+    """The entries of ``patches/<base>/series``, in order (``fork/0001-x.patch``, ...)."""
+    return _series.read_series(WORKSPACE.patch_dir(base))
 
 
 def upstream_ref(base=None):
@@ -98,7 +80,7 @@ def upstream_ref(base=None):
 
 def source_args(base):
     """Extra tools/fork.py arguments to obtain ``base`` (the checkout for a git base)."""
-    if not is_git_base(base):
+    if not _upstream.is_git_base(PIN, base):
         return []
     if not DEV_REPO:
         raise RuntimeError(

@@ -81,14 +81,17 @@ def resolve_tree(tree):
 
 def _fork_tree(bases, base):
     """The repo root when megatron/ is built from ``base``, else build/trees/fork-<base>."""
-    if base == bases.working_tree_base():
+    # tests.harness.bases put the repository's tools/ first on sys.path.
+    from megatron_fork import series  # pylint: disable=import-outside-toplevel
+
+    if base == bases.WORKSPACE.base():
         return REPO
     if not os.path.isdir(os.path.join(REPO, 'megatron')) and base == bases.PIN['default']:
         _fork_tool('materialize', '--base', base, *bases.source_args(base))
         return REPO
     path = os.path.join(REPO, 'build', 'trees', f'fork-{base}')
     stamp = os.path.join(path, '.series-sha256')
-    digest = bases.series_digest(base)
+    digest = series.series_digest(series.load_series(bases.WORKSPACE.patch_dir(base)))
     current = open(stamp).read().strip() if os.path.isfile(stamp) else None
     if current != digest or not os.path.isdir(os.path.join(path, 'megatron')):
         _fork_tool('materialize', '--base', base, '--dest', path, *bases.source_args(base))

@@ -2,7 +2,7 @@
 
 Run through ``tools/autoformat.sh`` (which checks that the lint tools are installed); see its
 header for what is covered. The series whose touched files are checked is the one of the base
-the tree was materialized from (``.pq/fork-base``), else the pin's default.
+the tree was materialized from, else the pin's default (tools/megatron_fork answers both).
 """
 
 import argparse
@@ -12,7 +12,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+from megatron_fork import ForkError, series, upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
 CHECK = False
 TREE = os.getcwd()
@@ -142,28 +146,20 @@ def own_files():
     return sorted(set(files))
 
 
-def tree_base():
-    """The base TREE was materialized from (its queue records it), else the pin's default."""
-    for root in (TREE, os.getcwd()):
-        path = os.path.join(root, ".pq", "fork-base")
-        if os.path.exists(path):
-            with open(path) as fh:
-                return fh.read().strip()
-    with open(os.path.join("patches", "upstream.toml"), "rb") as fh:
-        return tomllib.load(fh)["default"]
+def tree_base(checkout):
+    """The base TREE was materialized from, else the checkout's (its megatron/'s or the pin's)."""
+    pin = upstream.load_pin(checkout.pin_file)
+    return Workspace(Path(TREE)).base() or checkout.default_base(pin)
 
 
 def series_patches():
-    """The patch files of the tree's base, in series order."""
-    series_dir = os.path.join("patches", tree_base())
-    names = []
-    if os.path.exists(os.path.join(series_dir, "series")):
-        with open(os.path.join(series_dir, "series")) as fh:
-            for line in fh:
-                line = line.split("#", 1)[0].strip()
-                if line:
-                    names.append(os.path.join(series_dir, line.split()[0]))
-    return [n for n in names if os.path.exists(n)]
+    """The patch files of the tree's base, in series order (relative to the checkout)."""
+    checkout = Workspace(Path(os.getcwd()))
+    patch_dir = checkout.patch_dir(tree_base(checkout))
+    if not (patch_dir / "series").exists():
+        return []
+    paths = [patch_dir / entry for entry in series.read_series(patch_dir)]
+    return [os.path.relpath(p) for p in paths if p.exists()]
 
 
 def touched_files(patches):
@@ -301,7 +297,11 @@ def main(argv=None):
     CHECK, TREE = args.check, os.path.abspath(args.tree)
     own = own_files()
     jobs = [(f, f, None, True, True, True) for f in own]
-    patches = series_patches()
+    try:
+        patches = series_patches()
+    except ForkError as exc:
+        sys.stderr.write(f"autoformat.sh: {exc}\n")
+        sys.exit(2)
     touched = [t for t in touched_files(patches) if t.endswith(".py")]
     if touched:
         if not os.path.isdir(os.path.join(TREE, "megatron")):

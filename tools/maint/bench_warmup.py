@@ -384,14 +384,24 @@ def environment(device):
             driver = _run(['rocm-smi', '--showdriverversion'])
         env['driver'] = driver.splitlines()[0].strip() if driver else None
     env['repo_commit'] = _run(['git', '-C', REPO, 'rev-parse', 'HEAD'])
-    base_file = os.path.join(REPO, '.pq', 'fork-base')
-    base = open(base_file).read().strip() if os.path.exists(base_file) else None
-    env['fork_base'] = base
-    series = os.path.join(REPO, 'patches', base or '-', 'series')
-    if os.path.exists(series):
-        with open(series) as f:
-            env['patch_series'] = [line.strip() for line in f if line.strip()]
+    env['fork_base'], env['patch_series'] = _fork_series()
     return env
+
+
+def _fork_series():
+    """(base, series entries) of the repository's materialized megatron/ ((None, None) if none)."""
+    sys.path.insert(0, os.path.join(REPO, 'tools'))
+    try:
+        from megatron_fork import ForkError, series  # pylint: disable=import-outside-toplevel
+        from megatron_fork.workspace import Workspace  # pylint: disable=import-outside-toplevel
+    finally:
+        sys.path.remove(os.path.join(REPO, 'tools'))
+    ws = Workspace(REPO)
+    base = ws.base()
+    try:
+        return base, series.read_series(ws.patch_dir(base)) if base else None
+    except ForkError:
+        return base, None
 
 
 def _spread(values):

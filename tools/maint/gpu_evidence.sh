@@ -40,8 +40,8 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "hip", getattr(torch.version, "hip", None),
 "gpus", torch.cuda.device_count())'
-  base=$(cat .pq/fork-base 2>/dev/null || echo '?')
-  echo "base: $base; series: $(tr '\n' ' ' < "patches/$base/series" 2>/dev/null)"
+  base=$("$PY" tools/fork.py base --materialized 2>/dev/null || echo '?')
+  echo "base: $base; series: $("$PY" tools/fork.py series --base "$base" 2>/dev/null | tr '\n' ' ')"
 } 2>&1 | tee "$OUT/env.txt"
 
 for tree in megatron/core build/trees/pristine-0.18.2/megatron/core; do

@@ -114,14 +114,16 @@ def check_tree_is_tested(tree):
     """Raise SpecError when the tests would import another tree than ``tree``: for the base that
     the repository's megatron/ is materialized from, the harness uses the repository itself
     (tests/harness/launcher.py), so mutating build/trees/fork-<base> would change nothing."""
-    marker = REPO / '.pq' / 'fork-base'
-    base = os.environ.get('FORK_TEST_BASE')
-    if not base:
-        with open(REPO / 'patches' / 'upstream.toml', 'rb') as f:
-            base = tomllib.load(f)['default']
-    if (REPO / 'megatron').is_dir() and marker.is_file():
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    try:
+        from tests.harness import bases  # pylint: disable=import-outside-toplevel
+    except RuntimeError as exc:  # FORK_TEST_BASE names no maintained base
+        raise SpecError(str(exc)) from None
+    base = bases.BASE
+    if bases.WORKSPACE.base() == base:
         trees = REPO / 'build' / 'trees'
-        if marker.read_text().strip() == base and trees in Path(tree).resolve().parents:
+        if trees in Path(tree).resolve().parents:
             raise SpecError(
                 f'--tree {tree}: the tests of base {base} import {REPO}/megatron (materialized '
                 'from that base), not this tree; pass --tree . or materialize another base'

@@ -88,7 +88,7 @@ def metadata_failures(base, patch_dir, changes):
     return failures
 
 
-def check_base(pin, base, ws=queue_mod.DEFAULT, source=None):
+def check_base(pin, base, ws, source=None):
     """Check base ``base``; return a one-line summary or raise ForkError (exit 1 or 5).
 
     Args:

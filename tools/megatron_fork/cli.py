@@ -26,8 +26,10 @@ from . import check as check_mod
 from . import manifest as manifest_mod
 from . import queue as queue_mod
 from . import rebase as rebase_mod
+from . import series as series_mod
 from . import status as status_mod
 from . import upstream
+from .workspace import Workspace
 
 
 def _source_args(p):
@@ -50,7 +52,7 @@ def _source(args):
 
 def _default_base(args, pin, ws):
     """--base, else the base megatron/ was built on, else the pin's default (newest release)."""
-    return args.base or ws.base() or pin["default"]
+    return args.base or ws.default_base(pin)
 
 
 def _named_bases(args):
@@ -69,7 +71,7 @@ def _source_for(args, pin, base, several=False):
     return source
 
 
-def cmd_fetch(args, pin):
+def cmd_fetch(args, pin, ws):
     """Download (or find) and hash-verify the pinned wheels; with --dest, copy them there."""
     dest = args.dest or args.wheel_dir  # --wheel-dir is filled when the wheel is not there yet
     for base in args.base or [pin["default"]]:
@@ -79,9 +81,8 @@ def cmd_fetch(args, pin):
         print(f"{path} (sha256 verified)")
 
 
-def cmd_pristine(args, pin):
+def cmd_pristine(args, pin, ws):
     """Materialize a pristine base (no patches) under build/trees/pristine-<base>."""
-    ws = queue_mod.DEFAULT
     dest = Path(args.dest) if args.dest else ws.build / "trees" / f"pristine-{args.base}"
     if (dest / "megatron").exists() and not args.force:
         print(f"{dest} exists")
@@ -90,9 +91,8 @@ def cmd_pristine(args, pin):
     print(f"pristine megatron-core {args.base} at {dest}")
 
 
-def cmd_materialize(args, pin):
+def cmd_materialize(args, pin, ws):
     """Build megatron/ = upstream + the base's series, atomically."""
-    ws = queue_mod.DEFAULT
     base = _default_base(args, pin, ws)
     if args.dest:
         applied = queue_mod.materialize(
@@ -103,25 +103,17 @@ def cmd_materialize(args, pin):
     if args.if_stale and queue_mod.is_current(ws, base):
         print(f"megatron/ is current (base {base}, materialized from patches/{base}; no edits)")
         return
-    applied = queue_mod.materialize(
-        pin,
-        base,
-        ws=ws,
-        force=args.force,
-        interrupt_after=args.test_interrupt_after,
-        pause_after=args.test_pause_after,
-        **_source(args),
-    )
+    applied = queue_mod.materialize(pin, base, ws=ws, force=args.force, **_source(args))
     print(f"megatron/ = megatron-core {base} + {len(applied)} patches (patches/{base}/series)")
     for name in applied:
         print(f"  applied {name}")
 
 
-def cmd_export(args, pin):
+def cmd_export(args, pin, ws):
     """Regenerate patches/<base>/ from the queue's commits and the fork's source files."""
-    written, removed = queue_mod.export(queue_mod.DEFAULT)
+    written, removed = queue_mod.export(ws)
     if not written and not removed:
-        base = queue_mod.DEFAULT.base()
+        base = ws.base()
         print(f"patches/{base + '/' if base else ''} is up to date (no byte changed)")
     for name in written:
         print(f"  wrote {name}")
@@ -129,13 +121,13 @@ def cmd_export(args, pin):
         print(f"  removed {name}")
 
 
-def cmd_commit(args, pin):
+def cmd_commit(args, pin, ws):
     """Record edits in megatron/ into a queue commit."""
-    queue_mod.commit(queue_mod.DEFAULT, to=args.to, new=args.new, message_file=args.message_file)
+    queue_mod.commit(ws, to=args.to, new=args.new, message_file=args.message_file)
     print("committed; run `tools/fork.py export` to write patches/")
 
 
-def cmd_check(args, pin):
+def cmd_check(args, pin, ws):
     """Each base's series: consistent metadata, clean apply, idempotent export."""
     bases = args.base or list(pin["maintained"])
     skipped = []
@@ -148,7 +140,7 @@ def cmd_check(args, pin):
             skipped.append(base)
             continue
         source = _source_for(args, pin, base, several=len(bases) > 1)
-        print(check_mod.check_base(pin, base, queue_mod.DEFAULT, source), flush=True)
+        print(check_mod.check_base(pin, base, ws, source), flush=True)
     if skipped:
         # A check that left a maintained base out must not pass as a check of every base.
         raise ForkError(
@@ -158,12 +150,12 @@ def cmd_check(args, pin):
         )
 
 
-def cmd_status(args, pin):
+def cmd_status(args, pin, ws):
     """Print the change x base matrix."""
     names = args.base or ([] if args.rev else list(status_mod.DEFAULT_BASES))
     source = {"wheel_dir": args.wheel_dir, "offline": args.offline}
     result = status_mod.status(
-        pin, names, args.rev or [], args.git_repo, args.am3, source, args.series
+        pin, ws, names, args.rev or [], args.git_repo, args.am3, source, args.series
     )
     print(result.render())
     if result.skipped:
@@ -178,24 +170,42 @@ def cmd_status(args, pin):
         Path(args.json).write_text(json.dumps(result.as_json(), indent=2) + "\n")
 
 
-def cmd_rebase(args, pin):
+def cmd_rebase(args, pin, ws):
     """Carry a base's series onto a new upstream with git, patch by patch."""
     if args.abort:
-        print(rebase_mod.abort(queue_mod.DEFAULT))
+        print(rebase_mod.abort(ws))
         return
     if args.cont:
-        print(rebase_mod.cont(pin, queue_mod.DEFAULT))
+        print(rebase_mod.cont(pin, ws))
         return
     if not args.base or not args.onto:
         raise ForkError("rebase needs --base B --onto TARGET (or --continue / --abort)", 2)
-    print(
-        rebase_mod.start(
-            pin, queue_mod.DEFAULT, args.base, args.onto, args.git_repo, args.name, _source(args)
-        )
-    )
+    print(rebase_mod.start(pin, ws, args.base, args.onto, args.git_repo, args.name, _source(args)))
 
 
-def cmd_verify(args, pin):
+def cmd_base(args, pin, ws):
+    """Print a base name for scripts (tools/install.sh, tools/test.sh, tools/maint/)."""
+    if args.releases:
+        print(" ".join(upstream.releases(pin)))
+    elif args.default:
+        print(pin["default"])
+    elif args.materialized:
+        if ws.base() is None:
+            raise ForkError(
+                f"{ws.tree} is not materialized: run `tools/fork.py materialize`", EXIT_FAILED
+            )
+        print(ws.base())
+    else:
+        print(ws.default_base(pin))
+
+
+def cmd_series(args, pin, ws):
+    """Print the entries of a base's series, one a line."""
+    for entry in series_mod.read_series(ws.patch_dir(_default_base(args, pin, ws))):
+        print(entry)
+
+
+def cmd_verify(args, pin, ws):
     """Check the installed fork against its manifest."""
     ok, report = manifest_mod.verify(args.manifest, do_import=args.imports)
     print("\n".join(report))
@@ -203,15 +213,15 @@ def cmd_verify(args, pin):
         raise ForkError("verify failed", EXIT_FAILED)
 
 
-def build_parser():
-    """Return the argparse parser of the CLI."""
+def build_parser(ws):
+    """Return the argparse parser of the CLI for the workspace ``ws``."""
     parser = argparse.ArgumentParser(
         prog="tools/fork.py",
         description="Pinned upstream + patch series for the megatron-core fork.",
         epilog=__doc__.split("\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--pin", default=str(upstream.PIN_FILE), help="the upstream pin file")
+    parser.add_argument("--pin", default=str(ws.pin_file), help="the upstream pin file")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("fetch", help="download/verify pinned wheels into the cache (or --dest)")
@@ -234,8 +244,6 @@ def build_parser():
     p.add_argument("--dest", help="build upstream + series at DEST/megatron, without a queue")
     p.add_argument("--force", action="store_true", help="discard unexported work in megatron/")
     p.add_argument("--if-stale", action="store_true", help="do nothing if already current")
-    p.add_argument("--test-interrupt-after", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--test-pause-after", type=int, default=None, help=argparse.SUPPRESS)
     _source_args(p)
     p.set_defaults(func=cmd_materialize)
 
@@ -273,6 +281,21 @@ def build_parser():
     _source_args(p)
     p.set_defaults(func=cmd_rebase)
 
+    p = sub.add_parser("base", help="print megatron/'s base, else the pin's default (scripts)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--default", action="store_true", help="the pin's default (newest release)")
+    which.add_argument(
+        "--materialized", action="store_true", help="megatron/'s base; exit 1 when there is none"
+    )
+    which.add_argument(
+        "--releases", action="store_true", help="the maintained releases (wheels), on one line"
+    )
+    p.set_defaults(func=cmd_base)
+
+    p = sub.add_parser("series", help="print a base's series entries, one a line (scripts)")
+    p.add_argument("--base", help="the base (default: megatron/'s base, else the pin's default)")
+    p.set_defaults(func=cmd_series)
+
     p = sub.add_parser("verify", help="check the installed fork against its manifest")
     p.add_argument("--manifest", default=None)
     p.add_argument("--import", dest="imports", action="store_true")
@@ -280,15 +303,21 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
-    """Run the CLI and return its exit code."""
-    parser = build_parser()
+def main(argv=None, ws=None):
+    """Run the CLI and return its exit code.
+
+    Args:
+        argv: the arguments (default: the process's).
+        ws: the workspace (default: the checkout this tool lives in, ``tools/..``).
+    """
+    ws = ws or Workspace(Path(__file__).resolve().parents[2])
+    parser = build_parser(ws)
     args = parser.parse_args(argv)
     try:
         pin = upstream.load_pin(args.pin) if args.command != "verify" else None
         for name in _named_bases(args):
             upstream.base_entry(pin, name)  # an unknown base is named before anything runs
-        args.func(args, pin)
+        args.func(args, pin, ws)
     except ForkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code

@@ -82,7 +82,7 @@ def requirements_for(pin, base, wheel_dir=None, git_repo=None):
             ``pyproject.toml`` at that commit declares the requirements.
     """
     entry = pin["bases"][base]
-    if "commit" not in entry:
+    if not upstream.is_git_base(pin, base):
         return upstream_requirements(
             upstream.fetch_wheel(pin, base, wheel_dir=wheel_dir, offline=True)
         )

@@ -16,17 +16,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError
 from . import sources as sources_mod
-from .series import CLEAN, GROUPS, classify, load_series, read_series, series_dir
-from .upstream import REPO, obtain_tree
+from .series import CLEAN, GROUPS, classify, load_series, read_series
+from .upstream import obtain_tree
+from .workspace import BASE_FILE, Workspace
 
 NAMES_FILE = "fork-patch-names"  # inside the queue's git dir: subject -> series entry
 APPLIED_FILE = "fork-applied"  # inside the queue's git dir: the patch texts materialize applied
-BASE_FILE = "fork-base"  # inside the queue's git dir: the base megatron/ was built on
 LOCK_FILE = ".materialize.lock"
 LOCK_WAIT_S = float(os.environ.get("MEGATRON_FORK_LOCK_WAIT", 600))
 TEMP_PREFIXES = (".materialize-", ".previous-")
@@ -56,56 +55,6 @@ PY_CACHE = (":(exclude,glob)**/__pycache__/**", ":(exclude,glob)**/*.pyc")
 # upstream tree itself brings megatron/ only; tests/unit_tests/ holds just what the series adds.
 UNIT_TESTS = "tests/unit_tests"
 TRACKED = ("megatron", UNIT_TESTS)
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """Where a materialized tree, its queue and the series live.
-
-    Args:
-        root: the directory that holds ``megatron/`` (the work tree of the queue).
-        pq: the queue's git directory (default ``root/.pq``).
-        patch_root: the directory of per-base series (default ``root/patches``).
-        build: scratch and lock directory (default ``root/build``).
-    """
-
-    root: Path
-    pq: Path = None
-    patch_root: Path = None
-    build: Path = None
-
-    def __post_init__(self):
-        root = Path(self.root)
-        object.__setattr__(self, "root", root)
-        object.__setattr__(self, "pq", Path(self.pq) if self.pq else root / ".pq")
-        object.__setattr__(
-            self, "patch_root", Path(self.patch_root) if self.patch_root else root / "patches"
-        )
-        object.__setattr__(self, "build", Path(self.build) if self.build else root / "build")
-
-    @property
-    def tree(self):
-        """The materialized ``megatron/`` directory."""
-        return self.root / "megatron"
-
-    def base(self):
-        """The base ``megatron/`` was materialized from (None if unknown)."""
-        path = self.pq / BASE_FILE
-        return path.read_text().strip() if path.is_file() else None
-
-    def dist_build_dir(self, base):
-        """The setuptools build directory of ``base`` (setup.py empties it before a build)."""
-        return self.build / "dist" / base
-
-    def patch_dir(self, base=None):
-        """The series directory of ``base`` (default: the materialized one)."""
-        base = base or self.base()
-        if base is None:
-            raise ForkError("no materialized base: run `tools/fork.py materialize`", EXIT_USAGE)
-        return series_dir(base, self.patch_root)
-
-
-DEFAULT = Workspace(REPO)
 
 
 def git(work_tree, git_dir, *args, check=True, env=None, **kwargs):
@@ -192,7 +141,7 @@ def _unsourced_files(ws):
     ]
 
 
-def queue_state(ws=DEFAULT):
+def queue_state(ws):
     """Describe work in megatron/ that exists nowhere else: uncommitted edits or unexported commits.
 
     A tree that merely lags behind patches/ (say, after a git pull) holds no such work.
@@ -217,7 +166,7 @@ def queue_state(ws=DEFAULT):
     return problems
 
 
-def is_current(ws=DEFAULT, base=None):
+def is_current(ws, base=None):
     """True when megatron/ was materialized from exactly the current series of ``base``, unedited.
 
     Args:
@@ -365,16 +314,7 @@ def io_error(exc, what):
     return ForkError(f"{what}: {hint}{where}; nothing was changed", EXIT_IO)
 
 
-def materialize(
-    pin,
-    base_name,
-    ws=DEFAULT,
-    force=False,
-    dest_tree=None,
-    interrupt_after=None,
-    pause_after=None,
-    **source,
-):
+def materialize(pin, base_name, ws, force=False, dest_tree=None, **source):
     """Build upstream + the base's series and swap it into megatron/ (or ``dest_tree``) atomically.
 
     Args:
@@ -384,8 +324,6 @@ def materialize(
         force: discard unsaved work in megatron/ (otherwise refuse, exit 6).
         dest_tree: build a tree without a queue at this directory instead: pristine upstream, or
             upstream + series when ``source['with_series']`` is set.
-        interrupt_after: test hook: raise KeyboardInterrupt after this many patches.
-        pause_after: test hook: print "paused" and sleep after this many patches (for signals).
         **source: forwarded to :func:`upstream.obtain_tree` (wheel, wheel_dir, offline, ...).
 
     Returns:
@@ -412,7 +350,7 @@ def materialize(
             except OSError as exc:
                 raise io_error(exc, f"cannot write upstream {base_name} into {tmp}") from exc
             git_dir = tmp / ".pq"
-            names = _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_after)
+            names = _apply(base_name, patches, tmp, git_dir, origin)
             try:
                 if dest_tree is not None:
                     _swap(ws, tmp / "megatron", Path(dest_tree) / "megatron")
@@ -434,19 +372,14 @@ def materialize(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _apply(base_name, patches, tmp, git_dir, origin, interrupt_after, pause_after=None):
+def _apply(base_name, patches, tmp, git_dir, origin):
     """Commit the upstream tree in ``tmp`` and apply each patch with zero fuzz/offset."""
     git(tmp, git_dir, "init", "-q")
     git(tmp, git_dir, "add", "-A", "-f", "--", "megatron", *PY_CACHE)
     git(tmp, git_dir, "commit", "-q", "-m", f"upstream: megatron-core {base_name}\n\n{origin}")
     git(tmp, git_dir, "tag", "base")
     names = {}
-    for count, patch in enumerate(patches):
-        if interrupt_after is not None and count == interrupt_after:
-            raise KeyboardInterrupt(f"test interrupt after {count} patches")
-        if pause_after is not None and count == pause_after:
-            print("paused", file=sys.stderr, flush=True)
-            time.sleep(120)
+    for patch in patches:
         outcome, detail = classify(patch, tmp)
         if outcome != CLEAN:
             raise ForkError(
@@ -548,7 +481,7 @@ def render_commits(work_tree, git_dir, revs, known=None, next_number=1, group=GR
     return rendered
 
 
-def render_patches(ws=DEFAULT):
+def render_patches(ws):
     """Return {series entry: patch text} for every queue commit after the base, in order."""
     known = _known_names(ws)
     return render_commits(ws.root, ws.pq, "base..HEAD", known, _next_number(ws, known.values()))
@@ -597,7 +530,7 @@ def write_series(patch_dir, rendered, protect=()):
     return written, removed
 
 
-def export(ws=DEFAULT):
+def export(ws):
     """Write the queue's commits to patches/<base>/, then every source file into each base's
     patches; return (written, removed). Without a queue only the source files are written."""
     if not ws.pq.exists():
@@ -635,7 +568,7 @@ def sync_sources(ws):
     return sources_mod.sync(ws.root, ws.patch_root, GIT_ENV, EXPORT_OPTS, FORMAT_OPTS)
 
 
-def commit(ws=DEFAULT, to=None, new=None, message_file=None):
+def commit(ws, to=None, new=None, message_file=None):
     """Record the edits in megatron/ into the queue.
 
     Args:
@@ -668,6 +601,6 @@ def commit(ws=DEFAULT, to=None, new=None, message_file=None):
 
 
 __all__ = [
-    "Workspace", "DEFAULT", "materialize", "export", "commit", "render_patches", "queue_state",
+    "Workspace", "materialize", "export", "commit", "render_patches", "queue_state",
     "is_current", "read_series", "Interrupted",
 ]  # fmt: skip

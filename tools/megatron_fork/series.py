@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_USAGE, ForkError
-from .upstream import REPO
 
-PATCH_ROOT = REPO / "patches"
 CHANGES_FILE = "changes.toml"
 GROUPS = ("fork", "backports")
 
@@ -68,11 +66,6 @@ def _where(path, entry=None):
     """Name a patch file with its series directory, e.g. ``patches/0.19.2/fork/0006-x.patch``."""
     depth = (entry or Path(path).name).count("/") + 1
     return "/".join(Path(path).parts[-(depth + 2) :])
-
-
-def series_dir(base, root=PATCH_ROOT):
-    """Return the directory of base ``base``'s series (``patches/<base>``)."""
-    return Path(root) / base
 
 
 def read_series(patch_dir):
@@ -258,8 +251,12 @@ def series_digest(patches):
     return digest.hexdigest()
 
 
-def load_changes(root=PATCH_ROOT):
-    """Return the change catalogue ``patches/changes.toml`` ({} when there is none)."""
+def load_changes(root):
+    """Return the change catalogue ``root/changes.toml`` ({} when there is none).
+
+    Args:
+        root: the workspace's ``patches/`` directory (``Workspace.patch_root``).
+    """
     path = Path(root) / CHANGES_FILE
     if not path.is_file():
         return {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import series as series_mod
 from .series import CLEAN, CONFLICT, FUZZ, OFFSET, UPSTREAM, classify, gnu_patch
-from .upstream import REPO, extract_git, is_git_base, obtain_tree, resolve_rev, series_base
+from .upstream import extract_git, is_git_base, obtain_tree, resolve_rev, series_base
 
 DEFAULT_BASES = ("0.17.1", "0.18.2", "0.19.2", "dev")
 
@@ -191,25 +191,23 @@ class Result:
         }
 
 
-def status(pin, names, revs=(), git_repo=None, am3=False, source=None, ref_series=None,
-           patch_root=None):  # fmt: skip
+def status(pin, ws, names, revs=(), git_repo=None, am3=False, source=None, ref_series=None):
     """Compute the matrix.
 
     Args:
         pin: the loaded pin.
+        ws: the workspace whose ``patches/`` holds the series and the change catalogue.
         names: pinned bases (columns).
         revs: git refs of ``git_repo`` (columns).
         git_repo: a Megatron-LM clone (git bases, refs, upstream-commit checks, ``am3``).
         am3: also run ``git am -3`` of the column's series on every git column.
         source: wheel source options (wheel_dir, offline).
         ref_series: the series tried on refs (default: the primary base).
-        patch_root: the per-base series directory (default: the repository's patches/).
 
     Returns:
         A :class:`Result`.
     """
-    patch_root = Path(patch_root or REPO / "patches")
-    changes = series_mod.load_changes(patch_root)
+    changes = series_mod.load_changes(ws.patch_root)
     columns, skipped = [], []
     for name in names:
         if is_git_base(pin, name):
@@ -229,7 +227,7 @@ def status(pin, names, revs=(), git_repo=None, am3=False, source=None, ref_serie
         columns.append(Column(label, rev, ref_series or pin["primary"], sha))
     rows, reps = [], {}
     for column in columns:
-        patches = series_mod.load_series(patch_root / column.series)
+        patches = series_mod.load_series(ws.patch_dir(column.series))
         for patch in patches:
             reps.setdefault(_row_key(patch), patch)
         tmp = Path(tempfile.mkdtemp(prefix="fork-status-"))

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from . import EXIT_HASH, EXIT_UNAVAILABLE, EXIT_USAGE, ForkError
 
-REPO = Path(__file__).resolve().parents[2]
-PIN_FILE = REPO / "patches" / "upstream.toml"
+PIN_LABEL = "patches/upstream.toml"  # how messages name the pin (Workspace.pin_file)
 # Upstream files that are shipped in the wheel but are build products, not sources.
 SKIPPED_SUFFIXES = (".so", ".pyc")
 
@@ -25,11 +24,11 @@ def cache_dir():
     return Path(root)
 
 
-def load_pin(path=PIN_FILE):
+def load_pin(path):
     """Load and validate the pin file.
 
     Args:
-        path: the TOML file to read.
+        path: the TOML file to read (``Workspace.pin_file``, or the CLI's ``--pin``).
 
     Returns:
         The parsed dictionary.
@@ -64,8 +63,7 @@ def base_entry(pin, name):
     bases = pin["bases"]
     if name not in bases:
         raise ForkError(
-            f"unknown base {name!r}: {PIN_FILE.relative_to(REPO)} pins {', '.join(bases)}; "
-            "pass one of those",
+            f"unknown base {name!r}: {PIN_LABEL} pins {', '.join(bases)}; pass one of those",
             EXIT_USAGE,
         )
     return bases[name]
@@ -74,6 +72,11 @@ def base_entry(pin, name):
 def is_git_base(pin, name):
     """True when base ``name`` is pinned as a Megatron-LM commit (read from a checkout)."""
     return "commit" in base_entry(pin, name)
+
+
+def releases(pin):
+    """The maintained bases pinned as released wheels (not Megatron-LM commits), in pin order."""
+    return [name for name in pin["maintained"] if not is_git_base(pin, name)]
 
 
 def series_base(pin, name):
@@ -107,14 +110,26 @@ def py_tree_digest(root):
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-def _verified(path, base):
-    actual = sha256_file(path)
-    if actual != base["sha256"]:
+def _pinned(actual, pinned, mismatch):
+    """Fail with exit 3 when a computed digest is not the pinned one.
+
+    Args:
+        actual: the digest computed from what was obtained.
+        pinned: the digest the pin records.
+        mismatch: the start of the message, naming what was obtained and what it should be.
+    """
+    if actual != pinned:
         raise ForkError(
-            f"sha256 mismatch for {path}: expected {base['sha256']} (pinned for megatron-core "
-            f"{base['version']}), got {actual}; refusing to use it",
-            EXIT_HASH,
+            f"{mismatch}: got {actual}, the pin says {pinned}; refusing to use it", EXIT_HASH
         )
+
+
+def _verified(path, base):
+    _pinned(
+        sha256_file(path),
+        base["sha256"],
+        f"sha256 mismatch for {path} (pinned for megatron-core {base['version']})",
+    )
     return path
 
 
@@ -273,7 +288,7 @@ def obtain_tree(
         rev: the revision of ``git_repo`` (default: the pinned commit or the base's ``git_tag``).
     """
     base = base_entry(pin, name)
-    if "commit" in base:
+    if is_git_base(pin, name):
         if not git_repo:
             raise ForkError(
                 f"base {name} is Megatron-LM commit {base['commit'][:12]}: pass --git-repo "
@@ -293,20 +308,18 @@ def obtain_tree(
         if rev is None:
             raise ForkError(
                 f"megatron-core {name}: no Megatron-LM ref equals its wheel (nearest: "
-                f"{base.get('nearest_ref', 'none')}; see {PIN_FILE.relative_to(REPO)}), so "
+                f"{base.get('nearest_ref', 'none')}; see {PIN_LABEL}), so "
                 f"--git-repo cannot build it; pass --offline --wheel-dir DIR, DIR holding "
                 f"{base['wheel']} (`tools/fork.py fetch --base {name} --dest DIR` makes it)",
                 EXIT_UNAVAILABLE,
             )
     if git_repo:
         extract_git(git_repo, rev, dest)
-        digest = py_tree_digest(dest)
-        if digest != base["py_tree_sha256"]:
-            raise ForkError(
-                f"{git_repo}@{rev} is not megatron-core {name}: its megatron/**/*.py "
-                f"digest is {digest}, the pin says {base['py_tree_sha256']}",
-                EXIT_HASH,
-            )
+        _pinned(
+            py_tree_digest(dest),
+            base["py_tree_sha256"],
+            f"{git_repo}@{rev} is not megatron-core {name} (the digest of its megatron/**/*.py)",
+        )
         return f"{git_repo}@{rev}"
     path = fetch_wheel(pin, name, wheel=wheel, wheel_dir=wheel_dir, offline=offline)
     extract_wheel(path, dest)
