@@ -46,7 +46,9 @@ def checkout(tmp_path):
 
 def creators_of(root, path):
     """The patch files (one per base) that create ``path``."""
-    return [root / "patches" / base / entry for base, entry in sources.creators(root / "patches")[path]]
+    return [
+        root / "patches" / base / entry for base, entry in sources.creators(root / "patches")[path]
+    ]
 
 
 def check_args():

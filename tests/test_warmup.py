@@ -116,7 +116,7 @@ def test_fork_warmup_trains(ws, acc):
                 f'[warmup] Reset DDP grad-ready calibration on {n} bucket groups '
                 f'(0 outstanding collectives drained; calibration kept on {n})'
             )
-            assert res['log'][1].startswith(f'[warmup] Ran 2 warmup train steps in ') and res[
+            assert res['log'][1].startswith('[warmup] Ran 2 warmup train steps in ') and res[
                 'log'
             ][1].endswith(
                 f' (first step {first:.2f}s, later ones {second:.2f}s: '

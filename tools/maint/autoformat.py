@@ -124,7 +124,8 @@ def hunks_meet(diff_text, lines):
 
 
 def own_files():
-    """The fork's own Python files (tools/, tests/ minus vendor, setup.py)."""
+    """The fork's own Python files: tools/, tests/ minus vendor, setup.py, and the source files
+    under megatron/ (what the patches create, tracked once; linted without a materialized tree)."""
     out = run(
         [
             "git",
@@ -136,6 +137,7 @@ def own_files():
             "tools",
             "tests",
             "setup.py",
+            "megatron",
         ]
     ).stdout.split()
     files = [
@@ -302,7 +304,7 @@ def main(argv=None):
     except ForkError as exc:
         sys.stderr.write(f"autoformat.sh: {exc}\n")
         sys.exit(2)
-    touched = [t for t in touched_files(patches) if t.endswith(".py")]
+    touched = [t for t in touched_files(patches) if t.endswith(".py") and t not in own]
     if touched:
         if not os.path.isdir(os.path.join(TREE, "megatron")):
             sys.stderr.write(

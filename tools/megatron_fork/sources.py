@@ -17,7 +17,8 @@ from .series import read_series
 
 DIFF_START = re.compile(r"^diff --git ", re.M)
 NEW_FILE = re.compile(
-    r"\Adiff --git a/(?P<path>\S+) b/(?P=path)\nnew file mode (?P<mode>\d+)\nindex 0+\.\.[0-9a-f]+\n"
+    r"\Adiff --git a/(?P<path>\S+) b/(?P=path)\n"
+    r"new file mode (?P<mode>\d+)\nindex 0+\.\.[0-9a-f]+\n"
 )
 STAT_LINE = re.compile(r"^ \S.* \| ", re.M)
 
