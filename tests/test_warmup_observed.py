@@ -30,6 +30,7 @@ ITERS = 3
 WARMUP = ['--warmup-train-steps', '2']
 MOE = [
     '--num-experts', '2',
+    '--moe-router-topk', '1',
     '--moe-router-load-balancing-type', 'aux_loss',
     '--moe-aux-loss-coeff', '0.01',
     '--moe-router-score-function', 'sigmoid',
