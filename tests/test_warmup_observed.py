@@ -44,8 +44,13 @@ MOE = [
     '--check-for-spiky-loss',
 ]  # fmt: skip
 LAYOUTS = {
-    'opg': (tiny_gpt_args(2, ITERS) + ['--overlap-param-gather'], {'batches': True}),
+    # No lr warmup: step 1 already moves the params (with lr 0 it would leave them as they were).
+    'opg': (
+        tiny_gpt_args(2, ITERS) + ['--overlap-param-gather', '--lr-warmup-iters', '0'],
+        {'batches': True},
+    ),
     'moe': (tiny_gpt_args(2, ITERS) + MOE, {}),
+    'packed': (tiny_gpt_args(2, ITERS), {'packed_stats': True}),
 }
 RUNS = {
     (layout, arm): call(
@@ -86,7 +91,10 @@ def test_warmup_steps_train_as_real_steps():
         assert warmup == real[:2], f'rank {rank}'
         # ... and the real steps after the warmup are the no-warmup run's.
         assert [step['loss'] for step in _steps(warm, 'real')] == real, f'rank {rank}'
-        assert len(set(map(str, real))) == ITERS, f'rank {rank}'  # the steps did train
+        assert len(set(map(str, real))) == ITERS, f'rank {rank}'
+        # Step 1 updates the params with a non-zero lr, so step 2 sees them only if they were
+        # all-gathered after it.
+        assert float.fromhex(none['iterations'][0]['lr'][0]) > 0, f'rank {rank}'
 
 
 def test_first_real_iterations_log_no_warmup_losses():
@@ -129,3 +137,18 @@ def test_rerun_state_machine_as_without_warmup():
         assert first['first_iteration_complete'] is False, f'rank {rank}'
         assert _steps(warm, 'real')[0]['rerun_before'] == first, f'rank {rank}'
         assert warm['rerun'] == none['rerun'], f'rank {rank}'
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason='warmup bug (reported to the lead): the packed-sequence statistics that the warmup '
+    "steps' forward steps accumulate (update_seqlen_stats_from_cu_seqlens) are counted in the "
+    "first real iteration's FLOPs",
+)
+def test_flops_counted_per_iteration_as_without_warmup():
+    """A forward step that accounts packed sequences (as pretrain_gpt's does for THD batches):
+    train() counts every iteration's FLOPs (and from them num_floating_point_operations_so_far,
+    saved in checkpoints, and the logged throughput) as without warmup."""
+    for rank, (none, warm) in enumerate(zip(_ok('packed', 'none'), _ok('packed', 'warmup'))):
+        assert len(none['flops']) >= ITERS, f'rank {rank}'
+        assert warm['flops'] == none['flops'], f'rank {rank}'

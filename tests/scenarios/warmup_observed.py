@@ -18,6 +18,10 @@ Options, each test-only and applied around the unmodified script:
 - ``finalize_hook``: the model's own ``finalize_model_grads_func`` (a wrapper of
   ``finalize_model_grads``) is on the model config when setup_model_and_optimizer() returns, as a
   builder that installs its own hook leaves it before train().
+- ``packed_stats``: the forward step accounts every micro-batch as packed (two sequences of half the
+  sequence length) through upstream's ``update_seqlen_stats_from_cu_seqlens``, as pretrain_gpt's
+  forward step does for packed (THD) batches; train() reads those statistics back per iteration
+  for the FLOPs it counts (recorded per ``num_floating_point_operations`` call).
 - ``batches``: every real batch comes from a fixed private generator (GPT-style dicts), and on the
   fork the warmup's batches come from an identical one (through the forward step's documented
   ``warmup_batch_iterator``), so the warmup's steps can be compared with real steps.
@@ -150,7 +154,7 @@ def _printed(text):
 
 
 @contextlib.contextmanager
-def _observers(out, finalize_hook, batches):
+def _observers(out, finalize_hook, batches, packed_stats):
     from megatron.training import training
 
     state = {'in_warmup': False, 'train_depth': 0}
@@ -189,6 +193,20 @@ def _observers(out, finalize_hook, batches):
 
             # The documented way a model gives the warmup its own batches.
             forward_step_func.warmup_batch_iterator = _dp_batches
+        if packed_stats:
+            counted = forward_step_func
+
+            @functools.wraps(counted)
+            def forward_step_func(data_iterator, model_chunk, *fa, **fkw):
+                # As pretrain_gpt's forward step does for a packed (THD) micro-batch: two
+                # sequences of seq_length / 2 real tokens.
+                half = args.seq_length // 2
+                cu_seqlens = torch.tensor([0, half, 2 * half], dtype=torch.int32)
+                training.update_seqlen_stats_from_cu_seqlens(cu_seqlens)
+                return counted(data_iterator, model_chunk, *fa, **fkw)
+
+            if hasattr(counted, 'warmup_batch_iterator'):
+                forward_step_func.warmup_batch_iterator = counted.warmup_batch_iterator
         out['buffers_before'] = _buffers(model)
         result = original_train(
             forward_step_func, model, optimizer, scheduler, train_data_iterator, *a, **kw
@@ -197,6 +215,14 @@ def _observers(out, finalize_hook, batches):
         out['rerun'] = _rerun_state()
         out['buffers_end'] = _buffers(model)
         return result
+
+    original_flops = training.num_floating_point_operations
+
+    @functools.wraps(original_flops)
+    def num_floating_point_operations(*a, **kw):
+        value = original_flops(*a, **kw)
+        out['flops'].append(_hex(value))
+        return value
 
     @functools.wraps(original_setup)
     def setup_model_and_optimizer(*a, **kw):
@@ -213,6 +239,9 @@ def _observers(out, finalize_hook, batches):
         stack.enter_context(
             _patched(training, 'setup_model_and_optimizer', setup_model_and_optimizer)
         )
+        stack.enter_context(
+            _patched(training, 'num_floating_point_operations', num_floating_point_operations)
+        )
         if hasattr(training, 'run_warmup'):
             original_run = training.run_warmup
 
@@ -228,7 +257,7 @@ def _observers(out, finalize_hook, batches):
         yield
 
 
-def scenario_observe(ctx, argv, tag, finalize_hook=False, batches=False):
+def scenario_observe(ctx, argv, tag, finalize_hook=False, batches=False, packed_stats=False):
     """Run pretrain_gpt.py with ``argv`` and report what train() installed and did (see above).
 
     Returns:
@@ -238,9 +267,9 @@ def scenario_observe(ctx, argv, tag, finalize_hook=False, batches=False):
         'exit', 'error' (the pretrain scenario's own), 'iterations' (its per-iteration record)}.
     """
     _import_training()  # with the real torch.cuda bound, as the pretrain scenario does
-    out = {'steps': []}
+    out = {'steps': [], 'flops': []}
     text = io.StringIO()
-    with _observers(out, finalize_hook, batches), contextlib.redirect_stdout(text):
+    with _observers(out, finalize_hook, batches, packed_stats), contextlib.redirect_stdout(text):
         res = scenario_pretrain_gpt(ctx, argv, tag=tag)
     out.update(
         exit=res.get('exit'),
