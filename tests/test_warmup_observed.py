@@ -97,14 +97,35 @@ def test_warmup_steps_train_as_real_steps():
         assert float.fromhex(none['iterations'][0]['lr'][0]) > 0, f'rank {rank}'
 
 
-def test_first_real_iterations_log_no_warmup_losses():
-    """training_log prints the no-warmup run's lm, aux and MTP losses from iteration 1 on."""
-    none, warm = _ok('moe', 'none')[-1], _ok('moe', 'warmup')[-1]  # the last rank prints
-    printed = {int(k): v for k, v in none['printed'].items()}
-    assert sorted(printed) == list(range(1, ITERS + 1))
-    for key in ('lm loss', 'load_balancing_loss', 'mtp_1 loss'):
+def _printed(key):
+    """{iteration: printed value of key} without and with warmup (the last rank prints)."""
+    none, warm = _ok('moe', 'none')[-1], _ok('moe', 'warmup')[-1]
+    out = []
+    for res in (none, warm):
+        printed = {int(k): v for k, v in res['printed'].items()}
+        assert sorted(printed) == list(range(1, ITERS + 1))
         assert all(key in printed[it] for it in printed), key
-    assert {int(k): v for k, v in warm['printed'].items()} == printed
+        out.append({it: printed[it][key] for it in printed})
+    return out
+
+
+@pytest.mark.parametrize('key', ['lm loss', 'load_balancing_loss'])
+def test_first_real_iterations_log_no_warmup_losses(key):
+    """training_log prints the no-warmup run's loss and MoE aux loss from iteration 1 on."""
+    none, warm = _printed(key)
+    assert warm == none
+
+
+@pytest.mark.xfail(
+    bases.BASE == 'dev',
+    strict=True,
+    reason='warmup bug on dev (reported to the lead): the MTP tracker is cleared with '
+    'clean_metrics_in_tracker, which leaves the loss_sums that track_mtp_metrics logs',
+)
+def test_first_real_iteration_logs_no_warmup_mtp_loss():
+    """training_log prints the no-warmup run's MTP loss from iteration 1 on."""
+    none, warm = _printed('mtp_1 loss')
+    assert warm == none
 
 
 def test_router_buffers_after_each_real_step_as_without_warmup():

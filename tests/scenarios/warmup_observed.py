@@ -74,7 +74,9 @@ def _describe(fn, model, optimizer):
 
 def _installed(config, model, optimizer):
     out = {name: _describe(getattr(config, name, None), model, optimizer) for name in CALLBACKS}
-    out['forward_pre_hooks'] = [bool(getattr(m, 'remove_forward_pre_hook_handles', None)) for m in model]
+    out['forward_pre_hooks'] = [
+        bool(getattr(m, 'remove_forward_pre_hook_handles', None)) for m in model
+    ]
     return out
 
 
@@ -116,7 +118,10 @@ def _dp_batches(args):
     """This DP rank's share of _gpt_batches: every rank draws all, keeps its own."""
     from megatron.core import parallel_state
 
-    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    dp, rank = (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+    )
     for i, batch in enumerate(_gpt_batches(args)):
         if i % dp == rank:
             yield batch
@@ -131,7 +136,9 @@ def _rerun_state():
         'state': str(machine.state),
         'first_iteration_complete': getattr(machine, 'first_iteration_complete', None),
         'large_value_counts': dict(getattr(machine, 'large_value_counts', {}) or {}),
-        'max_values': {k: float(v).hex() for k, v in (getattr(machine, 'max_values', {}) or {}).items()},
+        'max_values': {
+            k: float(v).hex() for k, v in (getattr(machine, 'max_values', {}) or {}).items()
+        },
     }
 
 
