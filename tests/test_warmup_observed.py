@@ -15,8 +15,13 @@ sees instead, comparing a run with --warmup-train-steps 2 against the same run w
   iterations (lm loss, load_balancing_loss, mtp_1 loss) must be the no-warmup run's, so the
   warmup's aux losses are not logged with iteration 1; every module buffer (the routers'
   expert_bias and local_tokens_per_expert) after each real step must be the no-warmup run's
-  bitwise; and the rerun state machine (whose spiky-loss statistics a checkpoint saves) must end
-  as without warmup.
+  bitwise; and the rerun state machine (whose spiky-loss statistics a checkpoint saves) must be
+  at the first real step and end as without warmup.
+- 'packed': a forward step that accounts packed sequences (as pretrain_gpt's does for THD
+  batches): every iteration's FLOPs as without warmup.
+
+The tests marked xfail (strict) are warmup bugs these tests found, reported for a fix in
+megatron/training/warmup.py or state_snapshot.py; the mark goes when the fix lands.
 """
 
 import pytest
