@@ -20,7 +20,8 @@ counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_wa
   tests/test_param_norm.py tests/test_layer_wise_grad_stats.py tests/test_pretrain.py
   tests/test_log_accounting.py tests/test_variable_microbatches.py tests/test_distopt_checkpoint.py
   tests/test_expert_bias_grads.py tests/test_clip_grads_empty.py tests/test_mtp_per_token_loss.py
-  tests/test_layer_wise_param_norm.py tests/test_expert_gtp_grads.py)
+  tests/test_layer_wise_param_norm.py tests/test_expert_gtp_grads.py tests/test_train_loop_hooks.py
+  tests/test_warmup_observed.py)
 # (test_expert_gtp_grads.py skips itself on bases without generalized TP: dev and 0.18.2.)
 
 run() {  # run BASE pytest-args...: one pytest run on one base, with its wall time
