@@ -5,9 +5,8 @@ tests/test_warmup.py compares the state restored after the warmup; these tests l
 sees instead, comparing a run with --warmup-train-steps 2 against the same run without it (world
 2, DP 2, both on the fork):
 
-- 'opg' (distributed optimizer with overlap_param_gather): the real batches and, through the
-  forward step's documented ``warmup_batch_iterator``, the warmup's batches come from the same
-  private generator. A warmup step is a training step: warmup step k must give, bitwise, the loss
+- 'opg' (distributed optimizer with overlap_param_gather): the real batches are the warmup's own
+  synthetic stream (``warmup.synthetic_gpt_batches``). A warmup step is a training step: warmup step k must give, bitwise, the loss
   that real step k gives without warmup. Step 2 trains on the params that step 1's optimizer
   updated only if the forward pre-hooks (which all-gather them) are enabled again after step 1.
 - 'moe' (two MoE layers plus one MTP layer with MoE, aux-loss load balancing, the aux-loss-free
@@ -20,8 +19,9 @@ sees instead, comparing a run with --warmup-train-steps 2 against the same run w
 - 'packed': a forward step that accounts packed sequences (as pretrain_gpt's does for THD
   batches): every iteration's FLOPs as without warmup.
 
-The tests marked xfail (strict) are warmup bugs these tests found, reported for a fix in
-megatron/training/warmup.py or state_snapshot.py; the mark goes when the fix lands.
+Three of these tests found warmup bugs, fixed since: the rerun state machine's validation
+statistics, the packed-sequence statistics that train_step() accumulates for the FLOPs, and (on
+dev) the MTP per-token loss sums were left as the warmup steps made them.
 """
 
 import pytest
@@ -121,12 +121,6 @@ def test_first_real_iterations_log_no_warmup_losses(key):
     assert warm == none
 
 
-@pytest.mark.xfail(
-    bases.BASE == 'dev',
-    strict=True,
-    reason='warmup bug on dev (reported to the lead): the MTP tracker is cleared with '
-    'clean_metrics_in_tracker, which leaves the loss_sums that track_mtp_metrics logs',
-)
 def test_first_real_iteration_logs_no_warmup_mtp_loss():
     """training_log prints the no-warmup run's MTP loss from iteration 1 on."""
     none, warm = _printed('mtp_1 loss')
@@ -148,12 +142,6 @@ def test_router_buffers_after_each_real_step_as_without_warmup():
         ], f'rank {rank}'
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='warmup bug (reported to the lead): the rerun state machine keeps '
-    'first_iteration_complete=True and the spiky-loss statistics (large_value_counts, '
-    'max_values) of the warmup steps',
-)
 def test_rerun_state_machine_as_without_warmup():
     """The spiky-loss baseline (saved in checkpoints) and the first-iteration flag."""
     for rank, (none, warm) in enumerate(zip(_ok('moe', 'none'), _ok('moe', 'warmup'))):
@@ -165,12 +153,6 @@ def test_rerun_state_machine_as_without_warmup():
         assert warm['rerun'] == none['rerun'], f'rank {rank}'
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='warmup bug (reported to the lead): the packed-sequence statistics that the warmup '
-    "steps' forward steps accumulate (update_seqlen_stats_from_cu_seqlens) are counted in the "
-    "first real iteration's FLOPs",
-)
 def test_flops_counted_per_iteration_as_without_warmup():
     """A forward step that accounts packed sequences (as pretrain_gpt's does for THD batches):
     train() counts every iteration's FLOPs (and from them num_floating_point_operations_so_far,

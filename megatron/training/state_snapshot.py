@@ -6,6 +6,7 @@ Device tensors are staged in host memory and copied back in place, so no second 
 made; optimizer state that did not exist at the snapshot (a fresh run) is deleted again.
 """
 
+import copy
 import random
 
 import numpy as np
@@ -27,6 +28,14 @@ def sub_optimizers(optimizer) -> list:
 
 def _clone(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _copied(value):
+    """A deep copy where one can be made (plain values, containers, tensors), else the value."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # pylint: disable=broad-except
+        return value
 
 
 def _is_state_tensor(value) -> bool:
@@ -79,8 +88,10 @@ class TrainingStateSnapshot:
         self.training = [(m, m.training) for chunk in model for m in chunk.modules()]
         # Bucket groups whose grad-ready calibration real steps recorded before the warmup.
         self.calibrated = {id(group) for group in _bucket_groups(model) if not group.is_first_batch}
+        # The rerun state machine's whole state: its iteration and state, and the statistics a
+        # step's validation feeds (first_iteration_complete, spiky-loss counts and maxima).
         self.rerun = get_rerun_state_machine()
-        self.rerun_state = (self.rerun.current_iteration, self.rerun.state)
+        self.rerun_state = {k: _copied(v) for k, v in vars(self.rerun).items()}
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies to pinned host memory
         # python, numpy, torch CPU and device, and the Megatron CUDA RNG tracker: a copy of its
@@ -175,7 +186,8 @@ class TrainingStateSnapshot:
             setattr(self.args, key, value)
         for module, training in self.training:
             module.training = training
-        self.rerun.current_iteration, self.rerun.state = self.rerun_state
+        vars(self.rerun).clear()
+        vars(self.rerun).update({k: _copied(v) for k, v in self.rerun_state.items()})
         _clear_loss_trackers()
 
     def _restore_rng(self) -> None:
@@ -221,10 +233,24 @@ def reset_ddp_grad_ready_calibration(
 
 
 def _clear_loss_trackers() -> None:
-    """Drop the auxiliary losses the steps left in the MoE and MTP trackers."""
+    """Drop the auxiliary losses the steps left in the MoE, MTP and DSA-indexer trackers."""
     from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as mtp
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     get_moe_metrics_tracker().clear()
-    if mtp.tracker:  # the clean-up's name differs between releases
-        (getattr(mtp, 'clean_metrics_in_tracker', None) or mtp.clean_loss_in_tracker)()
+    helpers = [MTPLossLoggingHelper]
+    try:
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossLoggingHelper,
+        )
+
+        helpers.append(DSAIndexerLossLoggingHelper)
+    except ImportError:  # a release without DeepSeek sparse attention
+        pass
+    for helper in helpers:
+        if helper.tracker:
+            # Releases split the clean-up differently (dev's clean_metrics_in_tracker leaves
+            # the per-token loss sums that clean_loss_in_tracker zeroes): call each there is.
+            for name in ('clean_loss_in_tracker', 'clean_metrics_in_tracker'):
+                if hasattr(helper, name):
+                    getattr(helper, name)()

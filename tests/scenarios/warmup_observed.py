@@ -22,9 +22,9 @@ Options, each test-only and applied around the unmodified script:
   sequence length) through upstream's ``update_seqlen_stats_from_cu_seqlens``, as pretrain_gpt's
   forward step does for packed (THD) batches; train() reads those statistics back per iteration
   for the FLOPs it counts (recorded per ``num_floating_point_operations`` call).
-- ``batches``: every real batch comes from a fixed private generator (GPT-style dicts), and on the
-  fork the warmup's batches come from an identical one (through the forward step's documented
-  ``warmup_batch_iterator``), so the warmup's steps can be compared with real steps.
+- ``batches``: every real batch comes from the warmup's own synthetic generator
+  (``warmup.synthetic_gpt_batches``, the same stream on every rank), so the warmup's steps can be
+  compared with real steps (fork only).
 """
 
 import contextlib
@@ -35,7 +35,8 @@ import re
 
 import torch
 
-from tests.scenarios.pretrain import _patched, scenario_pretrain_gpt
+from tests.scenarios.common import patched
+from tests.scenarios.pretrain import scenario_pretrain_gpt
 from tests.scenarios.warmup import _import_training
 
 CALLBACKS = (
@@ -45,7 +46,6 @@ CALLBACKS = (
     'finalize_model_grads_func',
     'grad_scale_func',
 )
-BATCH_SEED = 4242
 
 
 def builder_finalize_model_grads(*args, **kwargs):
@@ -96,35 +96,6 @@ def _buffers(model):
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b'')
             out[f'{i}:{name}'] = h.hexdigest()[:16]
     return out
-
-
-def _gpt_batches(args):
-    """Endless GPT-style micro-batches from a fixed private generator (same on every rank)."""
-    mbs, seq = args.micro_batch_size, args.seq_length
-    vocab = getattr(args, 'padded_vocab_size', None) or args.vocab_size
-    gen = torch.Generator().manual_seed(BATCH_SEED)
-    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(mbs, -1).contiguous()
-    while True:
-        tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen, dtype=torch.long)
-        yield {
-            'tokens': tokens[:, :-1].contiguous(),
-            'labels': tokens[:, 1:].contiguous(),
-            'loss_mask': torch.ones(mbs, seq),
-            'position_ids': position_ids,
-        }
-
-
-def _dp_batches(args):
-    """This DP rank's share of _gpt_batches: every rank draws all, keeps its own."""
-    from megatron.core import parallel_state
-
-    dp, rank = (
-        parallel_state.get_data_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(),
-    )
-    for i, batch in enumerate(_gpt_batches(args)):
-        if i % dp == rank:
-            yield batch
 
 
 def _rerun_state():
@@ -191,15 +162,11 @@ def _observers(out, finalize_hook, batches, packed_stats):
 
         args = get_args()
         if batches:
-            train_data_iterator = RerunDataIterator(_dp_batches(args))
-            inner = forward_step_func
+            # The real batches are the warmup's own synthetic stream (same seed, every rank), so
+            # warmup step k and real step k of a run without warmup see the same batch.
+            from megatron.training.warmup import synthetic_gpt_batches
 
-            @functools.wraps(inner)
-            def forward_step_func(*fa, **fkw):
-                return inner(*fa, **fkw)
-
-            # The documented way a model gives the warmup its own batches.
-            forward_step_func.warmup_batch_iterator = _dp_batches
+            train_data_iterator = RerunDataIterator(synthetic_gpt_batches(args))
         if packed_stats:
             counted = forward_step_func
 
@@ -212,8 +179,6 @@ def _observers(out, finalize_hook, batches, packed_stats):
                 training.update_seqlen_stats_from_cu_seqlens(cu_seqlens)
                 return counted(data_iterator, model_chunk, *fa, **fkw)
 
-            if hasattr(counted, 'warmup_batch_iterator'):
-                forward_step_func.warmup_batch_iterator = counted.warmup_batch_iterator
         out['buffers_before'] = _buffers(model)
         result = original_train(
             forward_step_func, model, optimizer, scheduler, train_data_iterator, *a, **kw
@@ -241,13 +206,13 @@ def _observers(out, finalize_hook, batches, packed_stats):
         return model, optimizer, scheduler
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(training, 'train_step', train_step))
-        stack.enter_context(_patched(training, 'train', train))
+        stack.enter_context(patched(training, 'train_step', train_step))
+        stack.enter_context(patched(training, 'train', train))
         stack.enter_context(
-            _patched(training, 'setup_model_and_optimizer', setup_model_and_optimizer)
+            patched(training, 'setup_model_and_optimizer', setup_model_and_optimizer)
         )
         stack.enter_context(
-            _patched(training, 'num_floating_point_operations', num_floating_point_operations)
+            patched(training, 'num_floating_point_operations', num_floating_point_operations)
         )
         if hasattr(training, 'run_warmup'):
             original_run = training.run_warmup
@@ -260,7 +225,7 @@ def _observers(out, finalize_hook, batches, packed_stats):
                 finally:
                     state['in_warmup'] = False
 
-            stack.enter_context(_patched(training, 'run_warmup', run_warmup))
+            stack.enter_context(patched(training, 'run_warmup', run_warmup))
         yield
 
 
