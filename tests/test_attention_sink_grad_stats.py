@@ -1,4 +1,4 @@
-"""Learnable attention-sink offset under TP: grad norm, zero count, param norm, clipping (0007).
+"""Learnable attention-sink offset under TP: grad norm, zero count, param norm, clipping (0008).
 
 ``DotProductAttention(softmax_type='learnable')`` shards ``softmax_offset`` by heads over TP. Arms:
 - fork: closed forms (sqrt(HEADS + DENSE), HEADS + DENSE), the FP64 norm of the logical grads of a
@@ -35,7 +35,7 @@ def _register(tree, world):
             world, tree, f'{MOD}:scenario_backward_clip', **kwargs
         )
     if tree != PRISTINE_0_19:
-        # Pristine 0.18.2 also gets expert statistics wrong (fixed by 0005): no expert there.
+        # Pristine 0.18.2 also gets expert statistics wrong (fixed by 0006): no expert there.
         calls['layouts'] = call(
             world,
             tree,

@@ -241,7 +241,7 @@ def test_naive_warmup_then_reset_trains(ws):
     ref = _ok(fork['warm_ref'])
     for res in pristine['warm_noreset']:
         assert res['error'] == f'{NO_COMM_CALL} (4/4 params have grad available)'
-    for res in fork['warm_noreset']:  # patch 0006 adds which params fell short, and why
+    for res in fork['warm_noreset']:  # patch 0007 adds which params fell short, and why
         assert res['error'].startswith(f'{NO_COMM_CALL} (4/4 params have grad available). ')
         assert 'registered fewer times than in the calibration batch' in res['error']
     for rank, res in enumerate(_ok(fork['warm_reset'])):

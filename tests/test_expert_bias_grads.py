@@ -11,7 +11,7 @@ biases on, sequence parallel whenever TP > 1) in DDP, one real forward/backward,
   group: TP2/EP2/ETP1 gives rank 0's expert 0 the bias grad of rank 1's expert 2 added
   (1.3812821 where -0.3286967 is right); with every grad set to rank + 1, 3.0 where 1.0 / 2.0
   are right, and at TP2/EP1/ETP1 6.0 where 3.0 is right on bases that reduce expert params over
-  expert DP (0.19.2 upstream, the fork's 0010 elsewhere).
+  expert DP (0.19.2 upstream, the fork's 0009 elsewhere).
 Upstream refuses MoE biases with ETP > 1, and with biases the local experts cannot train at
 EP = ETP = 1 on any base (an in-place add on the output of a size-1 reduce, mlp.py); those
 layouts are covered by the 'fill' mode (grads written, then finalize_model_grads).

@@ -1,10 +1,10 @@
-"""Expert-aware gradient statistics (patches 0004 + 0005) on CPU ranks.
+"""Expert-aware gradient statistics (patches 0005 + 0006) on CPU ranks.
 
 One launched world per (tree, world size); every scenario of that world runs in it. Arms:
 - fork: exact oracle and every TP/EP/ETP layout match the FP64 reduction over logical params.
 - pristine-0.19.2 (upstream fix, PR 5916): same values as the fork.
 - pristine-0.18.2 (counterfactual): exact oracle reports sqrt(2) and 2 at any world size.
-Item 6 (EP = 1, ETP != TP: expert grads synced as dense, patch 0010): fixed on the fork of every
+Item 6 (EP = 1, ETP != TP: expert grads synced as dense, patch 0009): fixed on the fork of every
 base; pristine shows the dense sync wherever upstream lacks #5916's layer change.
 """
 
@@ -216,7 +216,7 @@ def _check_item6(per_rank, fixed):
 
 @pytest.mark.parametrize('name', list(ITEM6))
 def test_fork_item6_ep1_etp_ne_tp_expert_dp_synced(name):
-    """EP = 1, ETP != TP (patch 0010, #5916's use_expert_pgs): expert grads over expert DP."""
+    """EP = 1, ETP != TP (patch 0009, #5916's use_expert_pgs): expert grads over expert DP."""
     _check_item6(_world('fork', 2)[name], fixed=True)
 
 

@@ -1,4 +1,4 @@
-"""DDP with overlap_grad_reduce: a param that never reports its grad is named (patch 0006).
+"""DDP with overlap_grad_reduce: a param that never reports its grad is named (patch 0007).
 
 Counterfactual arms, same scenario on both trees (real DDP, no-pipelining schedule,
 finalize_model_grads, get_megatron_optimizer; fp32 + distributed optimizer and bf16 without):

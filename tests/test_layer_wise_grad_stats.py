@@ -1,4 +1,4 @@
-"""Gradient statistics of LayerWiseDistributedOptimizer (patch 0009) on CPU ranks.
+"""Gradient statistics of LayerWiseDistributedOptimizer (patch 0011) on CPU ranks.
 
 Arms, each through DDP (plain, and with the LayerWise shard-aligned layout), the real
 ``_get_param_groups`` / ``_get_megatron_optimizer_based_on_param_groups`` and the real

@@ -1,4 +1,4 @@
-"""Expert-aware parameter norm (patch 0008: ``calc_params_l2_norm``) on CPU ranks.
+"""Expert-aware parameter norm (patch 0010: ``calc_params_l2_norm``) on CPU ranks.
 
 Arms, each through DDP, the real ``get_megatron_optimizer`` (bf16 and fp32, with and without the
 distributed optimizer) and the real ``megatron.training.utils.calc_params_l2_norm``:

@@ -1,4 +1,4 @@
-"""Upstream's real pretrain() with --warmup-train-steps (patch 0003), end to end.
+"""Upstream's real pretrain() with --warmup-train-steps (patch 0004), end to end.
 
 Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at the selected base's
 ref, bases.upstream_ref(): core_v0.18.2, core_r0.19.0 or the dev pin; never committed) through

@@ -1,7 +1,7 @@
-"""What train() installs before its loop, pinned against PRISTINE upstream train() (patch 0012,
+"""What train() installs before its loop, pinned against PRISTINE upstream train() (patch 0003,
 `training-train-loop-hooks`, and its use by the warmup, `training-warmup-train-steps`).
 
-0012 moves train()'s loop set-up into install_train_loop_hooks(), which train() and the warmup
+0003 moves train()'s loop set-up into install_train_loop_hooks(), which train() and the warmup
 both call. A test that compares the warmup with the fork's own train() cannot see a break of that
 function: both arms share it. Here the reference is upstream's own train() on the pristine base:
 upstream's pretrain_gpt.py runs through the real pretrain() on both trees, and at every train_step

@@ -1,4 +1,4 @@
-"""Pre-training warmup with exact state restore (patch 0003, megatron/training/warmup.py).
+"""Pre-training warmup with exact state restore (patch 0004, megatron/training/warmup.py).
 
 Real train_step, real DDP (overlap_grad_reduce), real Megatron optimizer and scheduler on CPU ranks.
 Counterfactual: on pristine 0.18.2 a naive boundary warmup (train_step before train() installs

@@ -1,5 +1,5 @@
 """What the warmup's steps do, and what the first real iterations see after them, through
-upstream's pretrain_gpt.py and the real pretrain() (patch 0003, `training-warmup-train-steps`).
+upstream's pretrain_gpt.py and the real pretrain() (patch 0004, `training-warmup-train-steps`).
 
 tests/test_warmup.py compares the state restored after the warmup; these tests look at what a user
 sees instead, comparing a run with --warmup-train-steps 2 against the same run without it (world

@@ -1,4 +1,4 @@
-"""Warmup (patch 0003) in pipeline-parallel and expert-parallel layouts (issue 14 items 4 and 5).
+"""Warmup (patch 0004) in pipeline-parallel and expert-parallel layouts (issue 14 items 4 and 5).
 
 CPU ranks, gloo, real train_step and pipeline schedules (1F1B and interleaved), one expert block
 per stage (expert bucket groups, expert sub-optimizer). Layouts: PP 2 (world 2), PP 2 with

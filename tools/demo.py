@@ -86,7 +86,7 @@ def rows(world):
         ("grad-ready over-count (calibrated 1, later no no_sync)", OVERCOUNT, {}, {}, 1),
         (f"expert grad norm / zero count, TP=EP={world}, ETP=1, distopt", ORACLE, oracle, oracle,
          1),
-        ("expert grad sync, TP2/EP1/ETP1 (0010)", EXPERT_SYNC, sync, sync, 2),
+        ("expert grad sync, TP2/EP1/ETP1 (0009)", EXPERT_SYNC, sync, sync, 2),
     ]  # fmt: skip
 
 

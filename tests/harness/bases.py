@@ -10,7 +10,7 @@ base's trees:
   ``build/trees/fork-BASE`` (rebuilt when the series changes).
 - ``PRISTINE`` ('pristine-BASE'): upstream BASE without patches.
 
-Where a base already contains a fix upstream (0004/0005 in 0.19.2), pristine and fork agree
+Where a base already contains a fix upstream (0005/0006 in 0.19.2), pristine and fork agree
 there; :func:`upstream_has` reads that from ``patches/changes.toml`` so a counterfactual test can
 assert agreement instead of a failure.
 """

@@ -1,4 +1,4 @@
-"""Scenarios: grad statistics of the learnable attention-sink offset under TP (patch 0007).
+"""Scenarios: grad statistics of the learnable attention-sink offset under TP (patch 0008).
 
 ``DotProductAttention(softmax_type='learnable')`` (the local-spec core attention) holds one
 ``softmax_offset`` value per local head: the parameter is head-sharded over TP, like the QKV

@@ -23,7 +23,7 @@ reduced at all.
 
 The bug: the expert fc2 bias is marked ``sequence_parallel``, so ``finalize_model_grads`` also sums
 it over the dense TP group, which holds other experts (EP > 1) or the expert-DP replicas that DDP
-already summed (EP = 1 with expert params in the expert buffers, 0010 / upstream #5916).
+already summed (EP = 1 with expert params in the expert buffers, 0009 / upstream #5916).
 """
 
 import torch

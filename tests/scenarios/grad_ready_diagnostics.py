@@ -1,4 +1,4 @@
-"""Scenarios: a DDP parameter that never reports a grad with overlap_grad_reduce (patch 0006).
+"""Scenarios: a DDP parameter that never reports a grad with overlap_grad_reduce (patch 0007).
 
 With overlap_grad_reduce=True, megatron DDP dispatches a bucket group's reduce once every param in
 it has registered its grad as ready (as often as in the first, calibration, batch). A param that

@@ -1,4 +1,4 @@
-"""Scenarios for the pre-training warmup (megatron/training/warmup.py, patch 0003).
+"""Scenarios for the pre-training warmup (megatron/training/warmup.py, patch 0004).
 
 Real steps go through megatron.training.training.train_step (the real function, with Megatron's
 global args, timers, num-microbatches calculator and an OptimizerParamScheduler set up here), with

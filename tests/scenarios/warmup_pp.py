@@ -1,4 +1,4 @@
-"""Warmup scenarios in pipeline-parallel and expert-parallel layouts (patch 0003, issue 14).
+"""Warmup scenarios in pipeline-parallel and expert-parallel layouts (patch 0004, issue 14).
 
 Each model chunk is one (virtual) pipeline stage of a tiny MLP that the real schedules drive: the
 first stage reads ``x`` from its batch, the middle stages read the activation that

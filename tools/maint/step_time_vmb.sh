@@ -10,7 +10,7 @@
 # `tools/fork.py materialize --base 0.19.2`, and build/trees/pristine-0.19.2); they go on
 # PYTHONPATH. A tree whose megatron/core/datasets has no Makefile (the wheel ships only the
 # compiled helper) is copied to a scratch folder with a no-op Makefile there, so that pristine's
-# compile_helpers() does not exit 1 (patch 0011); nothing else in the tree changes.
+# compile_helpers() does not exit 1 (patch 0012); nothing else in the tree changes.
 # MLM_DIR: pretrain_gpt.py, gpt_builders.py and model_provider.py from the base's Megatron-LM tag
 # (git archive, never committed). Model: 12 layers / hidden 2048 / seq 2048, micro batch 2,
 # global batch 8 (4 microbatches per step), bf16, 40 iterations; REPEATS (default 3) fresh

@@ -63,7 +63,7 @@ class Patch:
 
 
 def _where(path, entry=None):
-    """Name a patch file with its series directory, e.g. ``patches/0.19.2/fork/0006-x.patch``."""
+    """Name a patch file with its series directory, e.g. ``patches/0.19.2/fork/0007-x.patch``."""
     depth = (entry or Path(path).name).count("/") + 1
     return "/".join(Path(path).parts[-(depth + 2) :])
 
