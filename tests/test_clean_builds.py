@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from megatron_fork import series, upstream  # noqa: E402  pylint: disable=C0413
+from megatron_fork import series, sources, upstream  # noqa: E402  pylint: disable=C0413
 from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
 WS = Workspace(REPO)
@@ -72,7 +72,10 @@ def test_metadata_commands_do_not_materialize(tmp_path):
             [sys.executable, "setup.py", *cmd], cwd=repo, capture_output=True, text=True
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert not (repo / "megatron").exists() and not (repo / ".pq").exists(), cmd
+        # A clone's megatron/ holds the fork's source files only; nothing was materialized.
+        tree = {p.relative_to(repo).as_posix() for p in repo.glob("megatron/**/*") if p.is_file()}
+        assert tree <= set(sources.paths(repo / "patches")), cmd
+        assert not (repo / ".pq").exists(), cmd
     version = subprocess.run(
         [sys.executable, "setup.py", "--version"], cwd=repo, capture_output=True, text=True
     ).stdout.split()[-1]
