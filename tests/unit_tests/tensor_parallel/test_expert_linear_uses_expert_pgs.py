@@ -30,29 +30,11 @@ def _expert_layers(config, is_expert=True):
         if is_expert
         else parallel_state.get_tensor_model_parallel_group()
     )
-    column = ColumnParallelLinear(
-        8,
-        8,
-        config=config,
-        init_method=config.init_method,
-        bias=True,
-        gather_output=False,
-        skip_bias_add=False,
-        is_expert=is_expert,
-        tp_group=tp_group,
+    common = dict(
+        config=config, init_method=config.init_method, is_expert=is_expert, tp_group=tp_group
     )
-    row = RowParallelLinear(
-        8,
-        8,
-        config=config,
-        init_method=config.init_method,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        is_expert=is_expert,
-        tp_group=tp_group,
-    )
-    return torch.nn.Sequential(column, row)
+    row = RowParallelLinear(8, 8, bias=True, input_is_parallel=True, skip_bias_add=False, **common)
+    return torch.nn.Sequential(ColumnParallelLinear(8, 8, **common), row)
 
 
 class TestExpertLinearUsesExpertProcessGroups:
