@@ -10,14 +10,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
 
-def _config(tensor_model_parallel_size, expert_tensor_parallel_size, **kwargs):
+def _config(tp, etp, **kwargs):
+    """EP = 1 (the default)."""
     return TransformerConfig(
         num_layers=1,
         hidden_size=8,
         num_attention_heads=4,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=1,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        tensor_model_parallel_size=tp,
+        expert_tensor_parallel_size=etp,
         use_cpu_initialization=True,
         perform_initialization=False,
         **kwargs,
