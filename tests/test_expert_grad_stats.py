@@ -79,13 +79,7 @@ def _register(tree, world_size, with_layouts):
         for name, kwargs in EMERGING.items():
             calls[name] = call(world_size, tree, f'{MOD}:scenario_exact_oracle', **kwargs)
     if with_layouts:
-        calls['layouts'] = call(
-            world_size,
-            tree,
-            f'{MOD}:scenario_layouts',
-            layout_list=layouts(world_size),
-            seeds=SEEDS,
-        )
+        calls['layouts'] = call(world_size, tree, f'{MOD}:scenario_layouts', seeds=SEEDS)
     if world_size == 2 and tree in ('fork', PRISTINE):
         calls.update(_item6_calls(tree))
     if tree in ('fork', PRISTINE) and world_size in (2, 4):

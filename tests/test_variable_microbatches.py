@@ -76,6 +76,19 @@ def _equal(res, steps=None):
         assert fork['grad_norm'] == ref['grad_norm'][:n]
 
 
+def _pristine_dies_at(step, name):
+    for res in _ranks(W2[PRISTINE][name]):
+        assert res['overlap']['error'].startswith(NO_COMM) and res['overlap']['failed_step'] == step
+
+
+def _fork_recalibrates_once(name):
+    """The fork matches the reference; step 2 recalibrates, so only steps 1 and 3 overlap."""
+    for res in _ranks(W2[FORK][name]):
+        _equal(res)
+        groups = res['overlap']['groups']
+        assert res['overlap']['early'] == [0, groups, 0, groups]
+
+
 def _expected_early(steps, groups):
     """Bucket groups that dispatch during backward, per step, by the fork's rule: a step keeps
     the calibration when its calls equal the calibration step's; a step whose calls are a strict
@@ -94,15 +107,10 @@ def _expected_early(steps, groups):
 
 @pytest.mark.parametrize('name', ['fewer', 'fewer_distopt'])
 def test_fewer_microbatches_pristine_dies_fork_trains(name):
-    groups = None
+    _pristine_dies_at(2, name)
     for res in _ranks(W2[PRISTINE][name]):
-        assert res['overlap']['error'].startswith(NO_COMM)
-        assert res['overlap']['failed_step'] == 2
         _equal(res, steps=2)  # the steps before match
-    for res in _ranks(W2[FORK][name]):
-        _equal(res)
-        groups = res['overlap']['groups']
-        assert res['overlap']['early'] == [0, groups, 0, groups]
+    _fork_recalibrates_once(name)
 
 
 @pytest.mark.parametrize('name', ['more', 'more_distopt'])
@@ -117,10 +125,7 @@ def test_more_microbatches_pristine_wrong_grads_fork_trains(name):
         assert max(fork['max_param_diff'][2:]) > 1e-4
     if not CASES[name].get('distopt'):  # ... and the replicas diverge: different grad norms
         assert pristine[0]['overlap']['grad_norm'][3] != pristine[1]['overlap']['grad_norm'][3]
-    for res in _ranks(W2[FORK][name]):
-        _equal(res)
-        groups = res['overlap']['groups']
-        assert res['overlap']['early'] == [0, groups, 0, groups]
+    _fork_recalibrates_once(name)
 
 
 def test_small_buckets_distopt_values_match():
@@ -145,12 +150,8 @@ def test_no_sync_func_keeps_overlap_on_every_count():
 def test_no_sync_func_installed_after_two_steps():
     """Steps without no_sync_func, then with it (a warm-up before train()): pristine dies at the
     first step with it (0001's reset was the only way out); the fork recalibrates once."""
-    for res in _ranks(W2[PRISTINE]['no_sync_later']):
-        assert res['overlap']['error'].startswith(NO_COMM) and res['overlap']['failed_step'] == 2
-    for res in _ranks(W2[FORK]['no_sync_later']):
-        _equal(res)
-        groups = res['overlap']['groups']
-        assert res['overlap']['early'] == [0, groups, 0, groups]
+    _pristine_dies_at(2, 'no_sync_later')
+    _fork_recalibrates_once('no_sync_later')
 
 
 # --- one optimizer step over several forward_backward calls --------------------------------
@@ -169,8 +170,7 @@ def test_calls_with_the_same_total():
 def test_finalize_after_each_call():
     """finalize_model_grads after every call reduces the buffer each time, as without overlap;
     pristine dies at the first such step."""
-    for res in _ranks(W2[PRISTINE]['calls_finalize_each']):
-        assert res['overlap']['error'].startswith(NO_COMM) and res['overlap']['failed_step'] == 1
+    _pristine_dies_at(1, 'calls_finalize_each')
     for res in _ranks(W2[FORK]['calls_finalize_each']):
         _equal(res)
         assert res['overlap']['early'] == [0, 0, 0]
@@ -179,12 +179,8 @@ def test_finalize_after_each_call():
 def test_step_with_fewer_calls_than_calibration():
     """A step whose calls are a strict prefix of the calibration step's reduces in
     finish_grad_sync and keeps the calibration (the next full step overlaps)."""
-    for res in _ranks(W2[PRISTINE]['calls_shorter']):
-        assert res['overlap']['error'].startswith(NO_COMM) and res['overlap']['failed_step'] == 2
-    for res in _ranks(W2[FORK]['calls_shorter']):
-        _equal(res)
-        groups = res['overlap']['groups']
-        assert res['overlap']['early'] == [0, groups, 0, groups]
+    _pristine_dies_at(2, 'calls_shorter')
+    _fork_recalibrates_once('calls_shorter')
 
 
 @pytest.mark.parametrize('name', ['calls_longer', 'calls_longer_distopt'])

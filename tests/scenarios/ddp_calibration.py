@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from tests.scenarios.common import make_config
+
 
 class _TinyNet(torch.nn.Module):
     """Dense layers plus one expert-parallel layer (params with allreduce=False)."""
@@ -52,19 +54,12 @@ def _build(
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel()
     torch.manual_seed(SEED)
     dtype = torch.bfloat16 if fp32_local_accumulation else torch.float32
     module = _TinyNet(expert).to(device=ctx.device, dtype=dtype)
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=1,
-        bf16=fp32_local_accumulation,
-        params_dtype=dtype,
-    )
+    config = make_config('bf16' if fp32_local_accumulation else 'fp32', hidden_size=16)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True,
         use_distributed_optimizer=distopt,

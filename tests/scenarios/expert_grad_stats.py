@@ -209,11 +209,12 @@ def _local(logical, tp_rank, ep_rank, etp_rank):
     }
 
 
-def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(False, True)):
+def scenario_layouts(ctx, seeds, layout_list=None, use_distributed_optimizer_values=(False, True)):
     """Random gradients over several (tp, ep, etp) layouts in one world.
 
     Args:
-        layout_list: list of [tp, ep, etp]; each is initialised, measured and destroyed in turn.
+        layout_list: list of [tp, ep, etp]; each is initialised, measured and destroyed in turn
+            (None: every layout of this world, :func:`layouts`).
         seeds: gradient draws per layout (one logical draw per seed, sharded per rank).
         use_distributed_optimizer_values: optimizer kinds to build per layout.
 
@@ -223,7 +224,7 @@ def scenario_layouts(ctx, layout_list, seeds, use_distributed_optimizer_values=(
     """
     return layout_cases(
         ctx,
-        layout_list,
+        layouts(ctx.world_size) if layout_list is None else layout_list,
         seeds,
         'distopt',
         use_distributed_optimizer_values,

@@ -22,6 +22,8 @@ the GTP axes are summed, as upstream documents), a correctly synced grad equals 
 
 import torch
 
+from tests.scenarios.common import stats_config
+
 HIDDEN, FFN = 4, 8
 
 
@@ -43,7 +45,6 @@ def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True):
         update_gtp_config,
     )
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
 
     # Shards of exactly 1/EGTP of the rows (no alignment padding), so their contents are distinct.
     pad = GTP_CONFIG.pad_for_alignment
@@ -56,19 +57,15 @@ def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True):
             gtp_remat_size=gtp,
             expert_gtp_remat_size=egtp,
         )
-        cfg = TransformerConfig(
-            num_layers=1,
-            hidden_size=16,
-            num_attention_heads=4,
-            tensor_model_parallel_size=tp,
-            expert_model_parallel_size=1,
-            expert_tensor_parallel_size=etp,
+        cfg = stats_config(
+            'fp32',
+            tp=tp,
+            etp=etp,
             tensor_parallel_num_weight_shards=tp * gtp,
             expert_tensor_parallel_num_weight_shards=etp * egtp,
             calculate_per_token_loss=True,
             gradient_accumulation_fusion=False,
             use_cpu_initialization=True,
-            perform_initialization=True,
         )
 
         def arange_init(weight):  # every logical element distinct

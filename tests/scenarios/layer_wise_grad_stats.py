@@ -46,7 +46,6 @@ def _build(ctx, tp, shapes, expert_names, tp_names, setup):
     """DDP-wrap ``[n, 1]`` bf16 parameters (LayerWise manages matrices only) and build a
     LayerWiseDistributedOptimizer over them."""
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
     cfg = stats_config('bf16', tp=tp)
     zeros = {
@@ -56,15 +55,7 @@ def _build(ctx, tp, shapes, expert_names, tp_names, setup):
         grad_reduce_in_fp32=True, use_distributed_optimizer=setup == 'layout'
     )
     model = layer_wise_ddp(cfg, ddp_cfg, ParamBag(zeros, expert_names, tp_names), setup)
-    opt_cfg = OptimizerConfig(
-        optimizer='adam',
-        lr=0.0,
-        bf16=True,
-        clip_grad=0.0,
-        log_num_zeros_in_grad=True,
-        use_layer_wise_distributed_optimizer=True,
-    )
-    return model, layer_wise_optimizer(model, opt_cfg)
+    return model, layer_wise_optimizer(model, optimizer='adam', lr=0.0, log_num_zeros_in_grad=True)
 
 
 def layer_wise_ddp(cfg, ddp_cfg, module, setup):
@@ -91,9 +82,12 @@ def layer_wise_ddp(cfg, ddp_cfg, module, setup):
     return DistributedDataParallel(cfg, ddp_cfg, module, **kwargs)
 
 
-def layer_wise_optimizer(model, opt_cfg):
-    """The LayerWiseDistributedOptimizer of ``model`` built as the optimizer factory builds it."""
+def layer_wise_optimizer(model, param_layout=None, **opt_kwargs):
+    """The LayerWiseDistributedOptimizer of ``model`` built as the optimizer factory builds it,
+    bf16 without clipping; ``opt_kwargs`` are the other OptimizerConfig fields. ``param_layout``
+    sets use_layer_wise_param_layout where the base has it (None: its default)."""
     from megatron.core.optimizer import (
+        OptimizerConfig,
         _get_megatron_optimizer_based_on_param_groups,
         _get_param_groups,
         get_standard_config_overrides,
@@ -101,18 +95,22 @@ def layer_wise_optimizer(model, opt_cfg):
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    opt_cfg = OptimizerConfig(
+        bf16=True, clip_grad=0.0, use_layer_wise_distributed_optimizer=True, **opt_kwargs
+    )
+    if param_layout is not None and hasattr(opt_cfg, 'use_layer_wise_param_layout'):
+        opt_cfg.use_layer_wise_param_layout = param_layout
     groups = _get_param_groups([model], opt_cfg, get_standard_config_overrides(opt_cfg))
+    # The raw torch optimizer: LayerWise shards the params, then wraps it for bf16.
     base, init_fn = _get_megatron_optimizer_based_on_param_groups(
-        config=opt_cfg,
-        model_chunks=[model],
-        param_groups=groups,
-        model_parallel_group=pg_collection.mp,
-        pg_collection=pg_collection,
-        skip_megatron_wrapping=True,
+        opt_cfg, [model], groups, skip_megatron_wrapping=True
     )
     return LayerWiseDistributedOptimizer(
-        [base], opt_cfg, pg_collection, init_state_fn_list=[init_fn], model_chunks=[model]
+        [base],
+        opt_cfg,
+        ProcessGroupCollection.use_mpu_process_groups(),
+        init_state_fn_list=[init_fn],
+        model_chunks=[model],
     )
 
 

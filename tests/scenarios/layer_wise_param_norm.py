@@ -24,6 +24,7 @@ from tests.scenarios.layer_wise_grad_stats import layer_wise_ddp, layer_wise_opt
 # (allreduce=False).
 SHAPES = {'w0': 3, 'w1': 2, 'w2': 4, 'w3': 1, 'x0': 1, 'x1': 1}
 LR = 0.5
+PLAIN_SGD = dict(optimizer='sgd', lr=LR, min_lr=LR, weight_decay=0.0, sgd_momentum=0.0)
 
 
 def _initial(name):
@@ -41,7 +42,6 @@ EXPECTED_AFTER = _norm([v - LR for k in SHAPES for v in _initial(k)])
 
 def _build(ctx, setup, overlap):
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
     cfg = stats_config('bf16')
     values = {
@@ -56,20 +56,10 @@ def _build(ctx, setup, overlap):
         overlap_grad_reduce=overlap,
     )
     model = layer_wise_ddp(cfg, ddp_cfg, module, setup)
-    opt_cfg = OptimizerConfig(
-        optimizer='sgd',
-        lr=LR,
-        min_lr=LR,
-        weight_decay=0.0,
-        sgd_momentum=0.0,
-        bf16=True,
-        clip_grad=0.0,
-        use_layer_wise_distributed_optimizer=True,
-        overlap_param_gather=overlap,
+    optimizer = layer_wise_optimizer(
+        model, setup == 'layout', overlap_param_gather=overlap, **PLAIN_SGD
     )
-    if hasattr(opt_cfg, 'use_layer_wise_param_layout'):
-        opt_cfg.use_layer_wise_param_layout = setup == 'layout'
-    return model, layer_wise_optimizer(model, opt_cfg)
+    return model, optimizer
 
 
 def scenario_norm_after_step(ctx, setup='layout', overlap=True):

@@ -187,17 +187,14 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from tests.scenarios.common import init_parallel
+    from tests.scenarios.common import init_parallel, make_config
 
     init_parallel(cp=cp)
     MTPLossLoggingHelper.tracker = {}  # sized by the first call's depth; training cleans it
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    config = TransformerConfig(
-        num_layers=1,
+    config = make_config(
         hidden_size=HIDDEN,
-        num_attention_heads=1,
         mtp_num_layers=depth,
         mtp_loss_scaling_factor=SCALE,
         calculate_per_token_loss=True,

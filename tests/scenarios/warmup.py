@@ -70,12 +70,8 @@ def _set_global_args(trainer, accumulation, overlap_param_gather=False):
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
 
-    saved_argv = sys.argv
-    sys.argv = ['warmup-scenario']
-    try:
+    with _patched(sys, 'argv', ['warmup-scenario']):
         args = parse_args(ignore_unknown_args=True)
-    finally:
-        sys.argv = saved_argv
     ddp = trainer.model.ddp_config
     args.micro_batch_size = MBS
     args.data_parallel_size = trainer.dp_size
@@ -329,6 +325,31 @@ class _RealRun:
         return float(out[0]['loss']), None if out[5] is None else float(out[5])
 
 
+def _run_warmup(trainer, scheduler, param_sync_func, *steps, forward_step=_forward_step, **kw):
+    """run_warmup() over the trainer's model where train() calls it; ``steps`` and ``kw``
+    (data_iterator, args) are what a direct call passes besides."""
+    from megatron.training import training
+    from megatron.training.warmup import run_warmup
+
+    return run_warmup(
+        training.train_step,
+        forward_step,
+        [trainer.model],
+        trainer.optimizer,
+        scheduler,
+        trainer.config,
+        param_sync_func,
+        *steps,
+        **kw,
+    )
+
+
+def _direct_warmup(ctx, trainer, scheduler, args, param_sync_func, steps):
+    """A direct run_warmup() call: ``steps`` steps on synthetic batches."""
+    data = _as_train_step_takes(_synthetic_iterator(ctx.device))
+    return _run_warmup(trainer, scheduler, param_sync_func, steps, data_iterator=data, args=args)
+
+
 def _naive_warmup(trainer, scheduler, args, steps, finalize):
     """train_step at the boundary with no callbacks (and no restore)."""
     from megatron.core.distributed import finalize_model_grads
@@ -418,23 +439,12 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
         _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
     warmup = None
     if arm != 'naive':
-        from megatron.training import training
-        from megatron.training.warmup import run_warmup
 
         def warmup(param_sync_func):
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                report = run_warmup(
-                    training.train_step,
-                    _forward_step,
-                    [trainer.model],
-                    trainer.optimizer,
-                    scheduler,
-                    trainer.config,
-                    param_sync_func,
-                    warmup_steps,
-                    data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
-                    args=args,
+                report = _direct_warmup(
+                    ctx, trainer, scheduler, args, param_sync_func, warmup_steps
                 )
             lines = buf.getvalue().splitlines()
             out['log'] = [line for line in lines if line.startswith('[warmup]')]
@@ -527,7 +537,6 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         recorder = _patched(training, 'save_grads', save_grads)
         warmup = None
         if arm == 'fork':
-            from megatron.training.warmup import run_warmup
 
             def warmup(param_sync_func):
                 """Where train() calls run_warmup(): right after install_train_loop_hooks()."""
@@ -541,29 +550,12 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
                     if path == 'train':  # train()'s own call: steps from the args, GPT batches
                         args.warmup_train_steps = warmup_steps
                         try:
-                            report = run_warmup(
-                                training.train_step,
-                                _forward_step,
-                                [trainer.model],
-                                trainer.optimizer,
-                                scheduler,
-                                trainer.config,
-                                param_sync_func,
-                            )
+                            report = _run_warmup(trainer, scheduler, param_sync_func)
                         finally:
                             args.warmup_train_steps = 0
                     else:
-                        report = run_warmup(
-                            training.train_step,
-                            _forward_step,
-                            [trainer.model],
-                            trainer.optimizer,
-                            scheduler,
-                            trainer.config,
-                            param_sync_func,
-                            warmup_steps,
-                            data_iterator=_as_train_step_takes(_synthetic_iterator(ctx.device)),
-                            args=args,
+                        report = _direct_warmup(
+                            ctx, trainer, scheduler, args, param_sync_func, warmup_steps
                         )
                 res['host_staging_bytes'] = report.host_staging_bytes
                 res['groups_reset'] = report.bucket_groups_reset
@@ -650,8 +642,7 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     must still be the one raised, and the host-staged state must still be put back.
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.training import state_snapshot, training
-    from megatron.training.warmup import run_warmup
+    from megatron.training import state_snapshot
 
     def failing_drain(*args):
         raise RuntimeError('injected failure while draining collectives')
@@ -688,15 +679,12 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
                         contextlib.redirect_stdout(io.StringIO()),
                         _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
                     ):
-                        run_warmup(
-                            training.train_step,
-                            failing,
-                            [trainer.model],
-                            trainer.optimizer,
+                        _run_warmup(
+                            trainer,
                             scheduler,
-                            trainer.config,
                             param_sync_func,
                             3,
+                            forward_step=failing,
                             data_iterator=synthetic,
                             args=args,
                         )
@@ -732,23 +720,17 @@ def scenario_bad_input(ctx):
     _seed_all()
     out = {'argparse': {}}
     for value in ('2', '0', '-1', '1.5', 'two'):
-        saved, err = sys.argv, io.StringIO()
-        sys.argv = ['pretrain', '--warmup-train-steps', value]
+        err = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err):
+            argv = ['pretrain', '--warmup-train-steps', value]
+            with _patched(sys, 'argv', argv), contextlib.redirect_stderr(err):
                 args = parse_args(ignore_unknown_args=True)
             out['argparse'][value] = {'value': args.warmup_train_steps}
         except SystemExit as exc:
             lines = [l for l in err.getvalue().splitlines() if 'error:' in l]
             out['argparse'][value] = {'exit': exc.code, 'error': lines[-1] if lines else None}
-        finally:
-            sys.argv = saved
-    saved = sys.argv
-    sys.argv = ['pretrain']
-    try:
+    with _patched(sys, 'argv', ['pretrain']):
         defaults = parse_args(ignore_unknown_args=True)
-    finally:
-        sys.argv = saved
     out['defaults'] = defaults.warmup_train_steps
     from megatron.training.config import TrainingConfig
 

@@ -29,6 +29,7 @@ from tests.scenarios.common import (
     init_parallel,
     install_train_loop_hooks,
     make_config,
+    patched,
 )
 
 MBS = W.MBS
@@ -574,7 +575,7 @@ def scenario_moe_zero_tokens(ctx, skip_empty=False, keep_all=False, warmup_steps
 
         def warmup(param_sync_func, t=t, res=res, arm=arm, tokens=tokens, layers=layers):
             if arm == 'fork':
-                routed = _patched(warmup_module, '_routed_params', lambda model, config: set())
+                routed = patched(warmup_module, '_routed_params', lambda model, config: set())
                 with routed if keep_all else contextlib.nullcontext():
                     report = t.warmup(warmup_steps, param_sync_func)
                 res['groups_reset'] = report.bucket_groups_reset
@@ -596,13 +597,3 @@ def scenario_moe_zero_tokens(ctx, skip_empty=False, keep_all=False, warmup_steps
         fork['losses'] == none['losses']
     )
     return {'none': {k: v for k, v in none.items() if k != 'final'}, 'fork': fork}
-
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)

@@ -46,19 +46,14 @@ class DenseAndExpertMatrices(torch.nn.Module):
         set_tensor_model_parallel_attributes(self.expert_weight, True, 0, 1)
 
 
-def _layer_wise_optimizer(tensor_model_parallel_size: int, full_param_layout: bool):
+def _layer_wise_optimizer(full_param_layout: bool):
     """DDP-wrap the matrices and build LayerWiseDistributedOptimizer as the factory does.
 
     Adam stands in for Muon (which needs the emerging-optimizers package); the statistics do
     not depend on the update rule.
     """
     config = TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+        num_layers=1, hidden_size=16, num_attention_heads=4, bf16=True, params_dtype=torch.bfloat16
     )
     module = DenseAndExpertMatrices().cuda()
     ddp_config = DistributedDataParallelConfig(
@@ -75,13 +70,9 @@ def _layer_wise_optimizer(tensor_model_parallel_size: int, full_param_layout: bo
             expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size(),
         )
     model = DistributedDataParallel(config, ddp_config, module, **kwargs)
+    # The statistics are read directly (no step): neither clipping nor logging flags matter.
     optimizer_config = OptimizerConfig(
-        optimizer="adam",
-        lr=0.0,
-        bf16=True,
-        clip_grad=0.0,
-        log_num_zeros_in_grad=True,
-        use_layer_wise_distributed_optimizer=True,
+        optimizer="adam", lr=0.0, bf16=True, use_layer_wise_distributed_optimizer=True
     )
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     param_groups = _get_param_groups(
@@ -131,7 +122,7 @@ class TestLayerWiseOptimizerExpertGradStats:
         The dense matrix is a TP duplicate there; the two expert matrices are this rank's own.
         """
         Utils.initialize_model_parallel()
-        model, optimizer = _layer_wise_optimizer(1, full_param_layout)
+        model, optimizer = _layer_wise_optimizer(full_param_layout)
         for target in (optimizer, *optimizer.chained_optimizers):
             target.tp_group = _rank_group(1)
 
@@ -154,7 +145,7 @@ class TestLayerWiseOptimizerExpertGradStats:
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1,
         )
-        model, optimizer = _layer_wise_optimizer(tp, full_param_layout)
+        model, optimizer = _layer_wise_optimizer(full_param_layout)
         grad_norm, _ = _grad_stats(model, optimizer, 1.0)
         assert grad_norm == pytest.approx(math.sqrt(1 + 2 * ep), rel=1e-6)
         _, num_zeros = _grad_stats(model, optimizer, 0.0)

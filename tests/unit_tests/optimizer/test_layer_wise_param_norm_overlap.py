@@ -59,18 +59,14 @@ def _layer_wise_optimizer_with_overlapped_gather():
         use_layer_wise_distributed_optimizer=True,
         overlap_param_gather=True,
     )
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     param_groups = _get_param_groups(
         [model], optimizer_config, get_standard_config_overrides(optimizer_config)
     )
+    # The raw SGD (no Megatron wrapping): LayerWise shards the params and wraps it for bf16.
     base, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
-        config=optimizer_config,
-        model_chunks=[model],
-        param_groups=param_groups,
-        model_parallel_group=pg_collection.mp,
-        pg_collection=pg_collection,
-        skip_megatron_wrapping=True,
+        optimizer_config, [model], param_groups, skip_megatron_wrapping=True
     )
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     optimizer = LayerWiseDistributedOptimizer(
         [base], optimizer_config, pg_collection, [init_state_fn], model_chunks=[model]
     )

@@ -10,14 +10,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
 
-def _config(tensor_model_parallel_size, expert_tensor_parallel_size, **kwargs):
+def _config(tp, etp, **kwargs):
+    """EP = 1 (the default)."""
     return TransformerConfig(
         num_layers=1,
         hidden_size=8,
         num_attention_heads=4,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=1,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        tensor_model_parallel_size=tp,
+        expert_tensor_parallel_size=etp,
         use_cpu_initialization=True,
         perform_initialization=False,
         **kwargs,
@@ -30,29 +30,11 @@ def _expert_layers(config, is_expert=True):
         if is_expert
         else parallel_state.get_tensor_model_parallel_group()
     )
-    column = ColumnParallelLinear(
-        8,
-        8,
-        config=config,
-        init_method=config.init_method,
-        bias=True,
-        gather_output=False,
-        skip_bias_add=False,
-        is_expert=is_expert,
-        tp_group=tp_group,
+    common = dict(
+        config=config, init_method=config.init_method, is_expert=is_expert, tp_group=tp_group
     )
-    row = RowParallelLinear(
-        8,
-        8,
-        config=config,
-        init_method=config.init_method,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=False,
-        is_expert=is_expert,
-        tp_group=tp_group,
-    )
-    return torch.nn.Sequential(column, row)
+    row = RowParallelLinear(8, 8, bias=True, input_is_parallel=True, skip_bias_add=False, **common)
+    return torch.nn.Sequential(ColumnParallelLinear(8, 8, **common), row)
 
 
 class TestExpertLinearUsesExpertProcessGroups:

@@ -61,15 +61,12 @@ class TestParamNormExpertTensorParallelGroup:
         model = _dense_and_expert(4, 3)
         assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(7))
 
+    @pytest.mark.skipif(Utils.world_size < 2, reason="needs TP = EP = world size >= 2, ETP = 1")
     def test_tp_equals_ep_equals_world_with_etp_one(self, fp32_args):
         """Multi-rank oracle: one dense and one distinct expert scalar per rank, all ones."""
         world = Utils.world_size
-        if world < 2:
-            pytest.skip("needs world size >= 2 (TP = EP = world, ETP = 1)")
         Utils.initialize_model_parallel(
-            tensor_model_parallel_size=world,
-            expert_model_parallel_size=world,
-            expert_tensor_parallel_size=1,
+            world, expert_model_parallel_size=world, expert_tensor_parallel_size=1
         )
         model = _dense_and_expert(1, 1)
         assert common_utils.calc_params_l2_norm([model]) == pytest.approx(math.sqrt(1 + world))

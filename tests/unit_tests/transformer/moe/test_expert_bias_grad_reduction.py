@@ -15,7 +15,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
 
-def _config(tp, ep, etp, **kwargs):
+def _config(tp, ep):
+    """ETP = 1; linear layers have biases (the default)."""
     return TransformerConfig(
         num_layers=1,
         hidden_size=8,
@@ -23,15 +24,12 @@ def _config(tp, ep, etp, **kwargs):
         num_attention_heads=4,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+        expert_tensor_parallel_size=1,
         sequence_parallel=True,
         num_moe_experts=4,
         moe_router_topk=1,
         moe_router_pre_softmax=True,
-        moe_token_dispatcher_type="allgather",
-        add_bias_linear=True,
         use_cpu_initialization=True,
-        **kwargs,
     )
 
 
@@ -70,7 +68,7 @@ class TestExpertBiasGradReduction:
     def test_expert_bias_is_not_sequence_parallel(self, tp, ep):
         """World 1 is enough: the marks depend on the config sizes."""
         Utils.initialize_model_parallel()
-        config = _config(tp, ep, 1)
+        config = _config(tp, ep)
         expert_bias = _row_parallel_bias(config, is_expert=True)
         assert expert_bias.allreduce is False
         assert expert_bias.sequence_parallel is False
@@ -90,7 +88,7 @@ class TestExpertBiasGradReduction:
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1,
         )
-        config = _config(world, ep, 1)
+        config = _config(world, ep)
         spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
         model = DistributedDataParallel(
             config,
