@@ -674,16 +674,18 @@ def _rebase_onto_head(sandbox, repo):
     return run(sandbox, "rebase", *args)
 
 
-def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
+def _one_patch_and_moved_upstream(sandbox, tmp_path, edit):
+    """Series = one patch (0001-a.patch); an upstream repo whose HEAD applies ``edit``."""
     flip_overlap(sandbox, "0001-a.patch")
     add_to_series(sandbox, "0001-a.patch")
     assert run(sandbox, "pristine", BASE).returncode == 0
+    return _upstream_repo(sandbox, tmp_path, edit=edit)
+
+
+def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
     # Upstream inserts lines above the patched one: the patch needs an offset there.
-    repo = _upstream_repo(
-        sandbox,
-        tmp_path,
-        edit=("class DistributedDataParallelConfig:", "class DistributedDataParallelConfig:\n\n\n"),
-    )
+    edit = ("class DistributedDataParallelConfig:", "class DistributedDataParallelConfig:\n\n\n")
+    repo = _one_patch_and_moved_upstream(sandbox, tmp_path, edit)
     proc = _rebase_onto_head(sandbox, repo)
     assert proc.returncode == 0, proc.stderr
     assert "kept    0001-a.patch" in proc.stdout and "git range-diff" in proc.stdout
@@ -694,14 +696,8 @@ def test_rebase_carries_the_series_and_prints_range_diff(sandbox, tmp_path):
 def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_nothing(
     sandbox, tmp_path
 ):
-    flip_overlap(sandbox, "0001-a.patch")
-    add_to_series(sandbox, "0001-a.patch")
-    assert run(sandbox, "pristine", BASE).returncode == 0
-    repo = _upstream_repo(
-        sandbox,
-        tmp_path,
-        edit=("overlap_grad_reduce: bool = False", "overlap_grad_reduce: int = 0"),
-    )
+    edit = ("overlap_grad_reduce: bool = False", "overlap_grad_reduce: int = 0")
+    repo = _one_patch_and_moved_upstream(sandbox, tmp_path, edit)
     before = (series_dir(sandbox) / "0001-a.patch").read_text()
     proc = _rebase_onto_head(sandbox, repo)
     assert proc.returncode == 8, proc.stderr

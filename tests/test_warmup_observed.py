@@ -28,6 +28,7 @@ import pytest
 
 from tests.harness import bases, call
 from tests.scenarios.pretrain import tiny_gpt_args
+from tests.scenarios.warmup_observed import results_of
 
 S = 'tests.scenarios.warmup_observed:scenario_observe'
 REF = bases.upstream_ref()
@@ -73,13 +74,7 @@ RUNS = {
 
 
 def _ok(layout, arm):
-    per_rank = RUNS[(layout, arm)].result()
-    for rank, res in enumerate(per_rank):
-        if res.get('missing'):
-            pytest.skip(f'Megatron-LM script not available: {res["missing"]}')
-        assert 'error' not in res, f'rank {rank}: {res["error"]}'
-        assert res['exit'] in (None, 0), f'rank {rank}: exit {res["exit"]}'
-    return per_rank
+    return results_of(RUNS[(layout, arm)])
 
 
 def _steps(res, kind):

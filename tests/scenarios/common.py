@@ -25,24 +25,22 @@ OUT = 4
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 
+class TrainLoopArgs(types.SimpleNamespace):
+    """Megatron args where a flag that was not given reads as off (None), as the store_true and
+    optional flags of pretrain()'s parser default."""
+
+    def __getattr__(self, name):
+        if name.startswith('__'):
+            raise AttributeError(name)
+        return None
+
+
 def train_loop_args(**overrides):
     """The Megatron args that install_train_loop_hooks() and the warmup read, at pretrain()'s
-    defaults for a DDP run with overlap_grad_reduce; ``overrides`` replace single values."""
-    args = dict(
-        overlap_grad_reduce=True,
-        align_grad_reduce=True,
-        overlap_param_gather=False,
-        align_param_gather=False,
-        use_distributed_optimizer=False,
-        use_megatron_fsdp=False,
-        skip_train=False,
-        perform_rl_step=False,
-        no_load_optim=False,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        iteration=0,
-    )
-    return types.SimpleNamespace(**{**args, **overrides})
+    defaults for a DDP run with overlap_grad_reduce (every other flag off); ``overrides`` replace
+    single values."""
+    on = {'overlap_grad_reduce': True, 'align_grad_reduce': True}
+    return TrainLoopArgs(**on, pipeline_model_parallel_size=1, iteration=0, **overrides)
 
 
 def install_train_loop_hooks(model, optimizer, config, args):
@@ -583,19 +581,11 @@ class Trainer:
         return flat_params(inner_core(self.model))
 
 
-def reference_train(
-    steps,
-    num_microbatches,
-    dp_size,
-    expert=True,
-    optimizer='adam',
-    lr=1e-2,
-    clip_grad=1.0,
-    seed=1234,
-    micro_batch_size=4,
-    initial_state=None,
-):
+def reference_train(steps, num_microbatches, dp_size, **trainer_settings):
     """Single-process float64 reference of the same training (plain torch).
+
+    ``trainer_settings`` are a Trainer's ``reference_kwargs`` (expert, optimizer, lr, clip_grad,
+    seed, micro_batch_size, initial_state): the reference trains what that Trainer trains.
 
     The loss of a step is the mean over all dp_size * num_microbatches microbatch losses, which is
     what DDP (grad scaled by 1/dp) plus the schedule (loss / num_microbatches) optimise.
@@ -603,30 +593,31 @@ def reference_train(
     Returns:
         dict with losses, grad_norms (pre-clip) and the final float64 param vector.
     """
-    torch.manual_seed(seed)
-    core = TinyCore(expert=expert)
-    if initial_state is not None:
-        core.load_state_dict(initial_state)
+    s = types.SimpleNamespace(**trainer_settings)
+    torch.manual_seed(s.seed)
+    core = TinyCore(expert=s.expert)
+    if s.initial_state is not None:
+        core.load_state_dict(s.initial_state)
     core = core.double()
-    if optimizer == 'adam':
+    if s.optimizer == 'adam':
         opt = torch.optim.AdamW(
-            core.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+            core.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
         )
     else:
-        opt = torch.optim.SGD(core.parameters(), lr=lr, momentum=0.9)
+        opt = torch.optim.SGD(core.parameters(), lr=s.lr, momentum=0.9)
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
         total = 0.0
         n = dp_size * num_microbatches
         for index in range(n):
-            x, y = microbatch(seed, step, index, micro_batch_size)
+            x, y = microbatch(s.seed, step, index, s.micro_batch_size)
             loss = torch.nn.functional.mse_loss(core(x), y) / n
             loss.backward()
             total += loss.item()
         norm = torch.sqrt(sum((p.grad**2).sum() for p in core.parameters())).item()
-        if clip_grad and clip_grad > 0:
-            coeff = clip_grad / (norm + 1e-6)
+        if s.clip_grad and s.clip_grad > 0:
+            coeff = s.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
                 for p in core.parameters():
                     p.grad.mul_(coeff)

@@ -254,3 +254,16 @@ def scenario_observe(ctx, argv, tag, finalize_hook=False, batches=False, packed_
     if res.get('missing'):
         out['missing'] = res['missing']
     return out
+
+
+def results_of(handle):
+    """Every rank's result of a launched world; skip when the Megatron-LM script is missing."""
+    import pytest
+
+    per_rank = handle.result()
+    for rank, res in enumerate(per_rank):
+        if res.get('missing'):
+            pytest.skip(f'Megatron-LM script not available: {res["missing"]}')
+        assert 'error' not in res, f'rank {rank}: {res["error"]}'
+        assert res['exit'] in (None, 0), f'rank {rank}: exit {res["exit"]}'
+    return per_rank

@@ -110,29 +110,16 @@ def _make_step_fn(cfg):
     """A bare-megatron.core train step with training.train_step()'s signature and return shape."""
     import torch
 
-    def step_fn(
-        forward_step_func,
-        data_iterator,
-        model,
-        optimizer,
-        opt_param_scheduler,
-        config,
-        forward_backward_func,
-        iteration=None,
-    ):
+    shape = {'num_microbatches': cfg['accum'], 'micro_batch_size': cfg['micro_batch']}
+    shape.update(seq_length=cfg['seq'], decoder_seq_length=cfg['seq'], forward_only=False)
+
+    def step_fn(*step_args, iteration=None):  # pylint: disable=unused-argument
+        # train_step()'s positional arguments; the model config is not needed here.
+        forward_step, data, model, optimizer, opt_param_scheduler, _, fb_func = step_args
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward_func(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=cfg['accum'],
-            seq_length=cfg['seq'],
-            micro_batch_size=cfg['micro_batch'],
-            decoder_seq_length=cfg['seq'],
-            forward_only=False,
-        )
+        losses = fb_func(forward_step_func=forward_step, data_iterator=data, model=model, **shape)
         update_successful, grad_norm, _ = optimizer.step()
         if update_successful and opt_param_scheduler is not None:
             opt_param_scheduler.step(increment=cfg['micro_batch'] * cfg['accum'])

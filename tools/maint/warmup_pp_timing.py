@@ -110,21 +110,12 @@ def _timed(rec, key, fn, on_start=None, outside=False):
 
 
 @contextlib.contextmanager
-def _patched(owner, name, value):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
-
-
-@contextlib.contextmanager
 def _instrument(rec):
     import gc
 
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.training import state_snapshot, training, warmup
+    from tests.scenarios.common import patched
 
     def first_forward(start, a, kw):
         if rec.step is not None and 'fwd1_at' not in rec.step:
@@ -175,7 +166,7 @@ def _instrument(rec):
                     (gc, 'collect', 'gc'),
                 ):
                     timed = _timed(rec, key, getattr(owner, name), outside=True)
-                    stack.enter_context(_patched(owner, name, timed))
+                    stack.enter_context(patched(owner, name, timed))
                 report = original_run(*a, **kw)
             rec.warmup_seconds = report.seconds
             return report
@@ -184,25 +175,25 @@ def _instrument(rec):
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(
-            _patched(
+            patched(
                 schedules,
                 'forward_step',
                 _timed(rec, 'fwd', schedules.forward_step, on_start=first_forward),
             )
         )
         stack.enter_context(
-            _patched(schedules, 'backward_step', _timed(rec, 'bwd', schedules.backward_step))
+            patched(schedules, 'backward_step', _timed(rec, 'bwd', schedules.backward_step))
         )
         stack.enter_context(
-            _patched(p2p_communication.P2PCommunicator, '_communicate', communicate)
+            patched(p2p_communication.P2PCommunicator, '_communicate', communicate)
         )
         stack.enter_context(
-            _patched(
+            patched(
                 training, 'finalize_model_grads', _timed(rec, 'fin', training.finalize_model_grads)
             )
         )
-        stack.enter_context(_patched(training, 'train_step', train_step))
-        stack.enter_context(_patched(training, 'run_warmup', run_warmup))
+        stack.enter_context(patched(training, 'train_step', train_step))
+        stack.enter_context(patched(training, 'run_warmup', run_warmup))
         yield
 
 
