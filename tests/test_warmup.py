@@ -29,6 +29,8 @@ def _combo(acc, dtype, overlap, distopt, **extra):
     return dict(acc=acc, dtype=dtype, overlap=overlap, distopt=distopt, **extra)
 
 
+# fp16 at upstream's default initial loss scale; the scaler grows after every good step.
+LOSS_SCALE_2_32 = dict(initial_loss_scale=2.0**32, loss_scale_window=1)
 COMBOS_DP2 = [
     _combo(1, 'bf16', True, True),
     _combo(2, 'bf16', True, True),
@@ -44,8 +46,9 @@ COMBOS_DP2 = [
     _combo(2, 'bf16', True, True, resume=2, eval_module='core.fc2', dumps=True),
     _combo(1, 'fp16', True, False, resume=2, loss_scale_window=2, path='train'),
     # fp16 at upstream's default initial loss scale (2**32): every step overflows until the
-    # scaler has backed off. The warmup holds the scale at 1 so its steps reach the optimizer.
-    _combo(2, 'fp16', True, True, initial_loss_scale=2.0**32),
+    # scaler has backed off. The warmup holds the scale at 1 so its steps reach the optimizer;
+    # the scaler grows after every step (window 1), so the hold must be renewed for each step.
+    _combo(2, 'fp16', True, True, **LOSS_SCALE_2_32),
 ]
 COMBOS_DP1 = [
     _combo(2, 'bf16', True, True),
@@ -56,7 +59,7 @@ COMBOS_DP1 = [
 CONTROL = [
     _combo(2, 'bf16', True, True, **{'break': 'rng'}),
     # The warmup as it was before its loss scale hold: the scaler skipped every warmup step.
-    _combo(2, 'fp16', True, True, initial_loss_scale=2.0**32, **{'break': 'loss_scale'}),
+    _combo(2, 'fp16', True, True, **LOSS_SCALE_2_32, **{'break': 'loss_scale'}),
 ]
 
 FORK_E2E = {
@@ -74,6 +77,21 @@ PRISTINE_NO_MODULE = call(2, PRISTINE, S + 'scenario_end_to_end', arm='fork', ac
 EXACT = {
     2: call(2, FORK, S + 'scenario_exactness', combos=COMBOS_DP2 + CONTROL),
     1: call(1, FORK, S + 'scenario_exactness', combos=COMBOS_DP1),
+}
+# A fake clock: warmup steps of 5, 1, 2 and 6 s (median of the later ones 2 s, their mean 3 s);
+# one step: no later step to compare with.
+ONE_TIME_COST = {
+    seconds: call(
+        1,
+        FORK,
+        S + 'scenario_end_to_end',
+        arm='fork',
+        accumulation=1,
+        warmup_steps=len(seconds),
+        real_steps=1,
+        step_seconds=list(seconds),
+    )
+    for seconds in ((5.0, 1.0, 2.0, 6.0), (5.0,))
 }
 FAULT = call(2, FORK, S + 'scenario_fault')
 FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
@@ -145,6 +163,9 @@ def test_exact_restore(ws):
                 assert fork['skipped_steps'] == (0 if held else 2), combo
                 assert fork['adam_steps_before_restore'] == (2.0 if held else 0.0), combo
                 assert fork['fresh_state_kept'] is held, combo
+                # Held at 1 for every step, though the scaler grew after the first (window 1).
+                scales = fork['warmup_loss_scales']
+                assert scales == ([1.0, 1.0] if held else [2.0**32] * 2), combo
             assert r['identical'], (combo, r['diff_keys'], r['losses_none'], r['losses_fork'])
             if combo.get('resume'):
                 # The warmup really starts from a resumed state (what the reload must put back).
@@ -176,6 +197,23 @@ def test_exact_restore(ws):
                 continue
             # Torch Adam's fresh state stays allocated, zeroed (None: a resumed run).
             assert fork['fresh_state_kept'] is (None if combo.get('resume') else True), combo
+
+
+def test_one_time_cost_is_the_first_step_minus_the_median_of_the_later_ones():
+    """WarmupReport.one_time_cost and the log line, under a fake clock (steps of 5, 1, 2, 6 s):
+    5 - median(1, 2, 6) = 3 s (the mean would give 2 s); with one step there is none."""
+    (res,) = _ok(ONE_TIME_COST[(5.0, 1.0, 2.0, 6.0)].result())
+    assert res['step_error'] is None and res['step_seconds'] == [5.0, 1.0, 2.0, 6.0]
+    assert res['one_time_cost'] == 3.0
+    assert res['log'][1].startswith('[warmup] Ran 4 warmup train steps in ')
+    assert (
+        ' (first step 5.00s, later ones 2.00s: 3.00s of one-time cost moved out of the real '
+        'run) and restored '
+    ) in res['log'][1]
+    (res,) = _ok(ONE_TIME_COST[(5.0,)].result())
+    assert res['step_error'] is None and res['step_seconds'] == [5.0]
+    assert res['one_time_cost'] is None
+    assert ' (first step 5.00s) and restored ' in res['log'][1]
 
 
 def test_exception_in_warmup_restores_and_reraises():

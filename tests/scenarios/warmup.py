@@ -387,6 +387,27 @@ def _record_optimizer_state(trainer, res):
     return _patched(state_snapshot.TrainingStateSnapshot, 'restore', restore)
 
 
+def _record_loss_scales(trainer, res):
+    """Record the loss scale each warmup step runs at (read as train_step starts)."""
+    from megatron.training import training
+
+    original = training.train_step
+    res['warmup_loss_scales'] = []
+
+    def train_step(*a, **kw):
+        res['warmup_loss_scales'].append(float(trainer.optimizer.get_loss_scale()))
+        return original(*a, **kw)
+
+    return _patched(training, 'train_step', train_step)
+
+
+def _fake_clock(step_seconds):
+    """A stand-in for warmup._now under which warmup step k takes step_seconds[k] seconds."""
+    ends = [sum(step_seconds[: k + 1]) for k in range(len(step_seconds))]
+    ticks = iter([t for k, end in enumerate(ends) for t in ((ends[k - 1] if k else 0.0), end)])
+    return lambda: next(ticks)
+
+
 def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False, opt_kwargs=None):
     from megatron.core import rerun_state_machine
 
@@ -408,8 +429,12 @@ def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=Fals
 
 
 @_device_rng
-def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, finalize=False):
-    """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error."""
+def scenario_end_to_end(
+    ctx, arm, accumulation, warmup_steps=2, real_steps=3, finalize=False, step_seconds=None
+):
+    """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error.
+    ``step_seconds``: the time each warmup step reads (a fake clock for the report's one-time
+    cost)."""
     init_parallel()
     trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation)
     _seed_all()  # _forward_step draws python/numpy/torch noise: same losses on every run
@@ -421,9 +446,14 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
         from megatron.training import training
         from megatron.training.warmup import run_warmup
 
+        from megatron.training import warmup as warmup_module
+
         def warmup(param_sync_func):
             buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
+            clock = contextlib.nullcontext()
+            if step_seconds:
+                clock = _patched(warmup_module, '_now', _fake_clock(step_seconds))
+            with contextlib.redirect_stdout(buf), clock:
                 report = run_warmup(
                     training.train_step,
                     _forward_step,
@@ -537,7 +567,14 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
                 callbacks_before = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
                 hooks_before = _hooks(trainer)
                 states_seen = _record_optimizer_state(trainer, res)
-                with contextlib.redirect_stdout(io.StringIO()), broken, recorder, states_seen:
+                scales_seen = _record_loss_scales(trainer, res)
+                with (
+                    contextlib.redirect_stdout(io.StringIO()),
+                    broken,
+                    recorder,
+                    states_seen,
+                    scales_seen,
+                ):
                     if path == 'train':  # train()'s own call: steps from the args, GPT batches
                         args.warmup_train_steps = warmup_steps
                         try:
