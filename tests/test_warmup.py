@@ -97,6 +97,7 @@ FAULT = call(2, FORK, S + 'scenario_fault')
 FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
 BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
 CALIBRATION_RULE = call(1, FORK, S + 'scenario_calibration_rule')
+LOSS_TRACKERS = call(1, FORK, S + 'scenario_loss_trackers')
 LAYOUT_FROM_GROUPS = call(2, FORK, S + 'scenario_layout_from_process_groups')
 
 
@@ -315,3 +316,14 @@ def test_warmup_calibration_is_kept_only_where_it_is_the_real_one():
             'overlap, no no_sync_func': False,
             'overlap, MoE': True,
         }
+
+
+def test_restore_clears_every_loss_tracker():
+    """The restore calls each clean-up a helper has, so no warmup loss reaches training_log: MTP's
+    and the DSA indexer's, whose only clean-up is clean_loss_in_tracker where MTP's is
+    clean_metrics_in_tracker (0.19.2); tests/test_warmup_observed.py sees MTP's through
+    pretrain()."""
+    (res,) = _ok(LOSS_TRACKERS.result())
+    assert all(value > 0 for value in res['after_step'].values()), res
+    assert sorted(res['after_step']) == ['dsa', 'mtp'], res
+    assert res['after_clean_up'] == {name: 0.0 for name in res['after_step']}

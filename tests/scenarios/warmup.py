@@ -893,6 +893,45 @@ def scenario_calibration_rule(ctx):
     return {name: _calibration_is_real(*case) for name, case in cases.items()}
 
 
+def scenario_loss_trackers(ctx):
+    """The restore's loss-tracker clean-up (state_snapshot._clear_loss_trackers) on the trackers
+    a warmup step fills: MTP's (0.19.2 names its clean-up clean_metrics_in_tracker, 0.18.2
+    clean_loss_in_tracker) and the DSA indexer's (clean_loss_in_tracker).
+    Returns, per helper, the sum of its tracked values after a step and after the clean-up."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.training import state_snapshot
+
+    one = torch.ones(())
+    helpers = {'mtp': MTPLossLoggingHelper}
+    try:
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossLoggingHelper,
+        )
+
+        helpers['dsa'] = DSAIndexerLossLoggingHelper
+    except ImportError:  # a release without DeepSeek sparse attention
+        pass
+    for name, helper in helpers.items():
+        helper.tracker.clear()
+        if hasattr(helper, 'save_metrics_to_tracker'):  # MTP on 0.19.2
+            helper.save_metrics_to_tracker(one, one, one, 0, 2)
+        else:
+            helper.save_loss_to_tracker(one, 1, 2)
+
+    def tracked():
+        return {
+            name: float(sum(v.sum() for v in h.tracker.values() if isinstance(v, torch.Tensor)))
+            for name, h in helpers.items()
+        }
+
+    out = {'after_step': tracked()}
+    state_snapshot._clear_loss_trackers()  # pylint: disable=protected-access
+    out['after_clean_up'] = tracked()
+    for helper in helpers.values():
+        helper.tracker.clear()
+    return out
+
+
 def _fault_against_none(results):
     """The 'fault' arm's result, with whether its training after the restore is bitwise the
     'none' arm's (final digests and losses)."""
