@@ -503,6 +503,8 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         loss_scale_window: fp16 grad scaler growth interval.
         initial_loss_scale: fp16 grad scaler's initial scale (default here 2**12; upstream's
             default, 2**32, overflows every fp16 step until the scaler has backed off).
+        align_param_gather: --align-param-gather (with overlap_param_gather: train() holds
+            param_sync_func back for the first step, the warmup puts it on after its first).
         break: negative control ('rng': skip the RNG restore; 'loss_scale': the warmup without
             its loss scale hold, as the fork's warmup ran before it had one).
     """
@@ -518,6 +520,7 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
 
     for arm in ('none', 'fork'):
         trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
+        args.align_param_gather = combo.get('align_param_gather', False)
         _seed_all()
         if combo.get('resume'):
             _resume(trainer, scheduler, args, acc, combo['resume'])
