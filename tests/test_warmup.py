@@ -97,6 +97,7 @@ ONE_TIME_COST = {
 }
 FAULT = call(2, FORK, S + 'scenario_fault')
 FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
+FAULT_RESUMED = call(2, FORK, S + 'scenario_fault', resume=2)
 BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
 CALIBRATION_RULE = call(1, FORK, S + 'scenario_calibration_rule')
 LOSS_TRACKERS = call(1, FORK, S + 'scenario_loss_trackers')
@@ -224,6 +225,17 @@ def test_exception_in_warmup_restores_and_reraises():
         assert res['raised'] == '_Injected: injected failure inside a warmup step'
         assert res['calls'] == 4  # failed in microbatch 2 of warmup step 2
         assert res['callbacks_restored'] and res['hooks_restored']
+        assert res['state_restored'], res['state_diff']
+        assert res['identical_to_no_warmup']
+
+
+def test_failed_warmup_puts_back_the_calibration_of_earlier_steps():
+    """A resumed run: its real steps calibrated DDP before the warmup. A warmup step fails, so the
+    warmup's own calibration is dropped; the earlier one is put back as it was."""
+    for res in _ok(FAULT_RESUMED.result()):
+        assert res['raised'] == '_Injected: injected failure inside a warmup step'
+        assert res['calibrated_before'] > 0
+        assert res['calibration_restored']
         assert res['state_restored'], res['state_diff']
         assert res['identical_to_no_warmup']
 

@@ -274,6 +274,14 @@ def _callbacks(config):
     return {n: getattr(config, n) is not None for n in _CONFIG_CALLBACKS}
 
 
+def _calibration(trainer):
+    """Each DDP bucket group's grad-ready calibration: (first batch?, golden counts)."""
+    return [
+        (group.is_first_batch, sorted(group.golden_per_param_grad_ready_counts.values()))
+        for group in trainer.model.bucket_groups + trainer.model.expert_parallel_bucket_groups
+    ]
+
+
 def _hooks(trainer):
     return len(trainer.model.remove_forward_pre_hook_handles) > 0
 
@@ -682,12 +690,15 @@ class _Injected(RuntimeError):
 
 
 @_device_rng
-def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False):
+def scenario_fault(
+    ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False, resume=0
+):
     """A warmup step raises mid-step: callbacks, hooks and all state are restored, then re-raised.
 
     Also checks that training after the failure matches training with no warmup, bitwise.
     restore_fails=True also makes the DDP drain of the restore raise: the warmup step's exception
-    must still be the one raised, and the host-staged state must still be put back.
+    must still be the one raised, and the host-staged state must still be put back. ``resume``:
+    that many real steps first (a resumed run whose DDP real steps calibrated).
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.training import state_snapshot, training
@@ -701,6 +712,8 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     for arm in ('none', 'fault'):
         trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation, True)
         _seed_all()
+        if resume:
+            _resume(trainer, scheduler, args, accumulation, resume)
         sentinel = object()
         trainer.config.finalize_model_grads_func = finalize_model_grads  # a pre-existing value
         before = _digests(trainer, scheduler, args)
@@ -723,6 +736,8 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
             def warmup(param_sync_func):  # where train() calls it, after its set-up
                 callbacks = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
                 hooks = _hooks(trainer)
+                calibration = _calibration(trainer)
+                res['calibrated_before'] = sum(not first for first, _ in calibration)
                 try:
                     with (
                         contextlib.redirect_stdout(io.StringIO()),
@@ -748,12 +763,13 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
                     getattr(trainer.config, n) is v for n, v in callbacks.items()
                 )
                 res['hooks_restored'] = _hooks(trainer) == hooks
+                res['calibration_restored'] = _calibration(trainer) == calibration
                 after = _digests(trainer, scheduler, args)
                 res['state_restored'] = after == before
                 res['state_diff'] = [k for k in before if before[k] != after[k]]
 
         del sentinel
-        run = _RealRun(trainer, scheduler, args, accumulation, warmup=warmup)
+        run = _RealRun(trainer, scheduler, args, accumulation, args.iteration, warmup=warmup)
         with contextlib.redirect_stdout(io.StringIO()):
             res['losses'] = [run.step()[0] for _ in range(3)]
         res['final'] = _digests(trainer, scheduler, args)
