@@ -138,9 +138,9 @@ def test_fork_warmup_trains(ws, acc):
                 f'[warmup] Reset DDP grad-ready calibration on {n} bucket groups '
                 f'(0 outstanding collectives drained; calibration kept on {n})'
             )
-            assert res['log'][1].startswith('[warmup] Ran 2 warmup train steps in ') and res[
-                'log'
-            ][1].endswith(
+            assert res['log'][1].startswith('[warmup] Ran 2 warmup train steps in ') and res['log'][
+                1
+            ].endswith(
                 f' (first step {first:.2f}s, later ones {second:.2f}s: '
                 f'{first - second:.2f}s of one-time cost moved out of the real run) and restored '
                 'the model, optimizer, scheduler, RNG and counters '

@@ -452,9 +452,8 @@ def scenario_end_to_end(
     warmup = None
     if arm != 'naive':
         from megatron.training import training
-        from megatron.training.warmup import run_warmup
-
         from megatron.training import warmup as warmup_module
+        from megatron.training.warmup import run_warmup
 
         def warmup(param_sync_func):
             buf = io.StringIO()
