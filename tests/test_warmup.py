@@ -29,6 +29,8 @@ def _combo(acc, dtype, overlap, distopt, **extra):
     return dict(acc=acc, dtype=dtype, overlap=overlap, distopt=distopt, **extra)
 
 
+# fp16 at upstream's default initial loss scale; the scaler grows after every good step.
+LOSS_SCALE_2_32 = dict(initial_loss_scale=2.0**32, loss_scale_window=1)
 COMBOS_DP2 = [
     _combo(1, 'bf16', True, True),
     _combo(2, 'bf16', True, True),
@@ -44,19 +46,22 @@ COMBOS_DP2 = [
     _combo(2, 'bf16', True, True, resume=2, eval_module='core.fc2', dumps=True),
     _combo(1, 'fp16', True, False, resume=2, loss_scale_window=2, path='train'),
     # fp16 at upstream's default initial loss scale (2**32): every step overflows until the
-    # scaler has backed off. The warmup holds the scale at 1 so its steps reach the optimizer.
-    _combo(2, 'fp16', True, True, initial_loss_scale=2.0**32),
+    # scaler has backed off. The warmup holds the scale at 1 so its steps reach the optimizer;
+    # the scaler grows after every step (window 1), so the hold must be renewed for each step.
+    _combo(2, 'fp16', True, True, **LOSS_SCALE_2_32),
 ]
 COMBOS_DP1 = [
     _combo(2, 'bf16', True, True),
     _combo(1, 'fp32', True, False),
     _combo(2, 'bf16', True, True, overlap_param_gather=True, path='train'),
+    # param_sync_func held back by train() for its first step: handed back held back.
+    _combo(2, 'bf16', True, True, overlap_param_gather=True, align_param_gather=True),
     _combo(2, 'fp16', True, True, resume=3, loss_scale_window=2, dumps=True),
 ]
 CONTROL = [
     _combo(2, 'bf16', True, True, **{'break': 'rng'}),
     # The warmup as it was before its loss scale hold: the scaler skipped every warmup step.
-    _combo(2, 'fp16', True, True, initial_loss_scale=2.0**32, **{'break': 'loss_scale'}),
+    _combo(2, 'fp16', True, True, **LOSS_SCALE_2_32, **{'break': 'loss_scale'}),
 ]
 
 FORK_E2E = {
@@ -75,10 +80,27 @@ EXACT = {
     2: call(2, FORK, S + 'scenario_exactness', combos=COMBOS_DP2 + CONTROL),
     1: call(1, FORK, S + 'scenario_exactness', combos=COMBOS_DP1),
 }
+# A fake clock: warmup steps of 5, 1, 2 and 6 s (median of the later ones 2 s, their mean 3 s);
+# one step: no later step to compare with.
+ONE_TIME_COST = {
+    seconds: call(
+        1,
+        FORK,
+        S + 'scenario_end_to_end',
+        arm='fork',
+        accumulation=1,
+        warmup_steps=len(seconds),
+        real_steps=1,
+        step_seconds=list(seconds),
+    )
+    for seconds in ((5.0, 1.0, 2.0, 6.0), (5.0,))
+}
 FAULT = call(2, FORK, S + 'scenario_fault')
 FAULT_RESTORE_FAILS = call(2, FORK, S + 'scenario_fault', restore_fails=True)
+FAULT_RESUMED = call(2, FORK, S + 'scenario_fault', resume=2)
 BAD_INPUT = call(1, FORK, S + 'scenario_bad_input')
 CALIBRATION_RULE = call(1, FORK, S + 'scenario_calibration_rule')
+LOSS_TRACKERS = call(1, FORK, S + 'scenario_loss_trackers')
 LAYOUT_FROM_GROUPS = call(2, FORK, S + 'scenario_layout_from_process_groups')
 
 
@@ -116,9 +138,9 @@ def test_fork_warmup_trains(ws, acc):
                 f'[warmup] Reset DDP grad-ready calibration on {n} bucket groups '
                 f'(0 outstanding collectives drained; calibration kept on {n})'
             )
-            assert res['log'][1].startswith('[warmup] Ran 2 warmup train steps in ') and res[
-                'log'
-            ][1].endswith(
+            assert res['log'][1].startswith('[warmup] Ran 2 warmup train steps in ') and res['log'][
+                1
+            ].endswith(
                 f' (first step {first:.2f}s, later ones {second:.2f}s: '
                 f'{first - second:.2f}s of one-time cost moved out of the real run) and restored '
                 'the model, optimizer, scheduler, RNG and counters '
@@ -145,6 +167,9 @@ def test_exact_restore(ws):
                 assert fork['skipped_steps'] == (0 if held else 2), combo
                 assert fork['adam_steps_before_restore'] == (2.0 if held else 0.0), combo
                 assert fork['fresh_state_kept'] is held, combo
+                # Held at 1 for every step, though the scaler grew after the first (window 1).
+                scales = fork['warmup_loss_scales']
+                assert scales == ([1.0, 1.0] if held else [2.0**32] * 2), combo
             assert r['identical'], (combo, r['diff_keys'], r['losses_none'], r['losses_fork'])
             if combo.get('resume'):
                 # The warmup really starts from a resumed state (what the reload must put back).
@@ -178,11 +203,39 @@ def test_exact_restore(ws):
             assert fork['fresh_state_kept'] is (None if combo.get('resume') else True), combo
 
 
+def test_one_time_cost_is_the_first_step_minus_the_median_of_the_later_ones():
+    """WarmupReport.one_time_cost and the log line, under a fake clock (steps of 5, 1, 2, 6 s):
+    5 - median(1, 2, 6) = 3 s (the mean would give 2 s); with one step there is none."""
+    (res,) = _ok(ONE_TIME_COST[(5.0, 1.0, 2.0, 6.0)].result())
+    assert res['step_error'] is None and res['step_seconds'] == [5.0, 1.0, 2.0, 6.0]
+    assert res['one_time_cost'] == 3.0
+    assert res['log'][1].startswith('[warmup] Ran 4 warmup train steps in ')
+    assert (
+        ' (first step 5.00s, later ones 2.00s: 3.00s of one-time cost moved out of the real '
+        'run) and restored '
+    ) in res['log'][1]
+    (res,) = _ok(ONE_TIME_COST[(5.0,)].result())
+    assert res['step_error'] is None and res['step_seconds'] == [5.0]
+    assert res['one_time_cost'] is None
+    assert ' (first step 5.00s) and restored ' in res['log'][1]
+
+
 def test_exception_in_warmup_restores_and_reraises():
     for res in _ok(FAULT.result()):
         assert res['raised'] == '_Injected: injected failure inside a warmup step'
         assert res['calls'] == 4  # failed in microbatch 2 of warmup step 2
         assert res['callbacks_restored'] and res['hooks_restored']
+        assert res['state_restored'], res['state_diff']
+        assert res['identical_to_no_warmup']
+
+
+def test_failed_warmup_puts_back_the_calibration_of_earlier_steps():
+    """A resumed run: its real steps calibrated DDP before the warmup. A warmup step fails, so the
+    warmup's own calibration is dropped; the earlier one is put back as it was."""
+    for res in _ok(FAULT_RESUMED.result()):
+        assert res['raised'] == '_Injected: injected failure inside a warmup step'
+        assert res['calibrated_before'] > 0
+        assert res['calibration_restored']
         assert res['state_restored'], res['state_diff']
         assert res['identical_to_no_warmup']
 
@@ -277,3 +330,14 @@ def test_warmup_calibration_is_kept_only_where_it_is_the_real_one():
             'overlap, no no_sync_func': False,
             'overlap, MoE': True,
         }
+
+
+def test_restore_clears_every_loss_tracker():
+    """The restore calls each clean-up a helper has, so no warmup loss reaches training_log: MTP's
+    and the DSA indexer's, whose only clean-up is clean_loss_in_tracker where MTP's is
+    clean_metrics_in_tracker (0.19.2); tests/test_warmup_observed.py sees MTP's through
+    pretrain()."""
+    (res,) = _ok(LOSS_TRACKERS.result())
+    assert all(value > 0 for value in res['after_step'].values()), res
+    assert sorted(res['after_step']) == ['dsa', 'mtp'], res
+    assert res['after_clean_up'] == {name: 0.0 for name in res['after_step']}

@@ -270,6 +270,14 @@ def _callbacks(config):
     return {n: getattr(config, n) is not None for n in _CONFIG_CALLBACKS}
 
 
+def _calibration(trainer):
+    """Each DDP bucket group's grad-ready calibration: (first batch?, golden counts)."""
+    return [
+        (group.is_first_batch, sorted(group.golden_per_param_grad_ready_counts.values()))
+        for group in trainer.model.bucket_groups + trainer.model.expert_parallel_bucket_groups
+    ]
+
+
 def _hooks(trainer):
     return len(trainer.model.remove_forward_pre_hook_handles) > 0
 
@@ -408,6 +416,27 @@ def _record_optimizer_state(trainer, res):
     return _patched(state_snapshot.TrainingStateSnapshot, 'restore', restore)
 
 
+def _record_loss_scales(trainer, res):
+    """Record the loss scale each warmup step runs at (read as train_step starts)."""
+    from megatron.training import training
+
+    original = training.train_step
+    res['warmup_loss_scales'] = []
+
+    def train_step(*a, **kw):
+        res['warmup_loss_scales'].append(float(trainer.optimizer.get_loss_scale()))
+        return original(*a, **kw)
+
+    return _patched(training, 'train_step', train_step)
+
+
+def _fake_clock(step_seconds):
+    """A stand-in for warmup._now under which warmup step k takes step_seconds[k] seconds."""
+    ends = [sum(step_seconds[: k + 1]) for k in range(len(step_seconds))]
+    ticks = iter([t for k, end in enumerate(ends) for t in ((ends[k - 1] if k else 0.0), end)])
+    return lambda: next(ticks)
+
+
 def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=False, opt_kwargs=None):
     from megatron.core import rerun_state_machine
 
@@ -429,8 +458,12 @@ def _build(ctx, dtype, overlap, distopt, accumulation, overlap_param_gather=Fals
 
 
 @_device_rng
-def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, finalize=False):
-    """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error."""
+def scenario_end_to_end(
+    ctx, arm, accumulation, warmup_steps=2, real_steps=3, finalize=False, step_seconds=None
+):
+    """Warmup (arm 'naive' or 'fork') at the boundary, then real steps; returns losses or error.
+    ``step_seconds``: the time each warmup step reads (a fake clock for the report's one-time
+    cost)."""
     init_parallel()
     trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation)
     _seed_all()  # _forward_step draws python/numpy/torch noise: same losses on every run
@@ -439,10 +472,14 @@ def scenario_end_to_end(ctx, arm, accumulation, warmup_steps=2, real_steps=3, fi
         _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
     warmup = None
     if arm != 'naive':
+        from megatron.training import warmup as warmup_module
 
         def warmup(param_sync_func):
             buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
+            clock = contextlib.nullcontext()
+            if step_seconds:
+                clock = _patched(warmup_module, '_now', _fake_clock(step_seconds))
+            with contextlib.redirect_stdout(buf), clock:
                 report = _direct_warmup(
                     ctx, trainer, scheduler, args, param_sync_func, warmup_steps
                 )
@@ -483,6 +520,8 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         loss_scale_window: fp16 grad scaler growth interval.
         initial_loss_scale: fp16 grad scaler's initial scale (default here 2**12; upstream's
             default, 2**32, overflows every fp16 step until the scaler has backed off).
+        align_param_gather: --align-param-gather (with overlap_param_gather: train() holds
+            param_sync_func back for the first step, the warmup puts it on after its first).
         break: negative control ('rng': skip the RNG restore; 'loss_scale': the warmup without
             its loss scale hold, as the fork's warmup ran before it had one).
     """
@@ -498,6 +537,7 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
 
     for arm in ('none', 'fork'):
         trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
+        args.align_param_gather = combo.get('align_param_gather', False)
         _seed_all()
         if combo.get('resume'):
             _resume(trainer, scheduler, args, acc, combo['resume'])
@@ -546,7 +586,14 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
                 callbacks_before = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
                 hooks_before = _hooks(trainer)
                 states_seen = _record_optimizer_state(trainer, res)
-                with contextlib.redirect_stdout(io.StringIO()), broken, recorder, states_seen:
+                scales_seen = _record_loss_scales(trainer, res)
+                with (
+                    contextlib.redirect_stdout(io.StringIO()),
+                    broken,
+                    recorder,
+                    states_seen,
+                    scales_seen,
+                ):
                     if path == 'train':  # train()'s own call: steps from the args, GPT batches
                         args.warmup_train_steps = warmup_steps
                         try:
@@ -634,12 +681,15 @@ class _Injected(RuntimeError):
 
 
 @_device_rng
-def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False):
+def scenario_fault(
+    ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False, resume=0
+):
     """A warmup step raises mid-step: callbacks, hooks and all state are restored, then re-raised.
 
     Also checks that training after the failure matches training with no warmup, bitwise.
     restore_fails=True also makes the DDP drain of the restore raise: the warmup step's exception
-    must still be the one raised, and the host-staged state must still be put back.
+    must still be the one raised, and the host-staged state must still be put back. ``resume``:
+    that many real steps first (a resumed run whose DDP real steps calibrated).
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.training import state_snapshot
@@ -652,6 +702,8 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
     for arm in ('none', 'fault'):
         trainer, scheduler, args = _build(ctx, 'bf16', True, True, accumulation, True)
         _seed_all()
+        if resume:
+            _resume(trainer, scheduler, args, accumulation, resume)
         sentinel = object()
         trainer.config.finalize_model_grads_func = finalize_model_grads  # a pre-existing value
         before = _digests(trainer, scheduler, args)
@@ -674,6 +726,8 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
             def warmup(param_sync_func):  # where train() calls it, after its set-up
                 callbacks = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
                 hooks = _hooks(trainer)
+                calibration = _calibration(trainer)
+                res['calibrated_before'] = sum(not first for first, _ in calibration)
                 try:
                     with (
                         contextlib.redirect_stdout(io.StringIO()),
@@ -696,12 +750,13 @@ def scenario_fault(ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_
                     getattr(trainer.config, n) is v for n, v in callbacks.items()
                 )
                 res['hooks_restored'] = _hooks(trainer) == hooks
+                res['calibration_restored'] = _calibration(trainer) == calibration
                 after = _digests(trainer, scheduler, args)
                 res['state_restored'] = after == before
                 res['state_diff'] = [k for k in before if before[k] != after[k]]
 
         del sentinel
-        run = _RealRun(trainer, scheduler, args, accumulation, warmup=warmup)
+        run = _RealRun(trainer, scheduler, args, accumulation, args.iteration, warmup=warmup)
         with contextlib.redirect_stdout(io.StringIO()):
             res['losses'] = [run.step()[0] for _ in range(3)]
         res['final'] = _digests(trainer, scheduler, args)
@@ -836,6 +891,45 @@ def scenario_calibration_rule(ctx):
         'overlap, MoE': (NS(no_sync_func=print, num_moe_experts=4), NS(overlap_grad_reduce=True)),
     }
     return {name: _calibration_is_real(*case) for name, case in cases.items()}
+
+
+def scenario_loss_trackers(ctx):
+    """The restore's loss-tracker clean-up (state_snapshot._clear_loss_trackers) on the trackers
+    a warmup step fills: MTP's (0.19.2 names its clean-up clean_metrics_in_tracker, 0.18.2
+    clean_loss_in_tracker) and the DSA indexer's (clean_loss_in_tracker).
+    Returns, per helper, the sum of its tracked values after a step and after the clean-up."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.training import state_snapshot
+
+    one = torch.ones(())
+    helpers = {'mtp': MTPLossLoggingHelper}
+    try:
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossLoggingHelper,
+        )
+
+        helpers['dsa'] = DSAIndexerLossLoggingHelper
+    except ImportError:  # a release without DeepSeek sparse attention
+        pass
+    for name, helper in helpers.items():
+        helper.tracker.clear()
+        if hasattr(helper, 'save_metrics_to_tracker'):  # MTP on 0.19.2
+            helper.save_metrics_to_tracker(one, one, one, 0, 2)
+        else:
+            helper.save_loss_to_tracker(one, 1, 2)
+
+    def tracked():
+        return {
+            name: float(sum(v.sum() for v in h.tracker.values() if isinstance(v, torch.Tensor)))
+            for name, h in helpers.items()
+        }
+
+    out = {'after_step': tracked()}
+    state_snapshot._clear_loss_trackers()  # pylint: disable=protected-access
+    out['after_clean_up'] = tracked()
+    for helper in helpers.values():
+        helper.tracker.clear()
+    return out
 
 
 def _fault_against_none(results):
