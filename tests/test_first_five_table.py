@@ -23,7 +23,8 @@ def _log(path, times, skipped=(), losses=None):
 
 
 def _table(*dirs):
-    run = subprocess.run([sys.executable, str(TOOL), *map(str, dirs)], capture_output=True, text=True)
+    cmd = [sys.executable, str(TOOL), *map(str, dirs)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
     return run.returncode, run.stdout
 
 

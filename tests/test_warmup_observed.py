@@ -6,9 +6,10 @@ sees instead, comparing a run with --warmup-train-steps 2 against the same run w
 2, DP 2, both on the fork):
 
 - 'opg' (distributed optimizer with overlap_param_gather): the real batches are the warmup's own
-  synthetic stream (``warmup.synthetic_gpt_batches``). A warmup step is a training step: warmup step k must give, bitwise, the loss
-  that real step k gives without warmup. Step 2 trains on the params that step 1's optimizer
-  updated only if the forward pre-hooks (which all-gather them) are enabled again after step 1.
+  synthetic stream (``warmup.synthetic_gpt_batches``). A warmup step is a training step: warmup
+  step k must give, bitwise, the loss that real step k gives without warmup. Step 2 trains on the
+  params that step 1's optimizer updated only if the forward pre-hooks (which all-gather them)
+  are enabled again after step 1.
 - 'moe' (two MoE layers plus one MTP layer with MoE, aux-loss load balancing, the aux-loss-free
   expert bias, --check-for-spiky-loss): the values training_log prints for the first real
   iterations (lm loss, load_balancing_loss, mtp_1 loss) must be the no-warmup run's, so the

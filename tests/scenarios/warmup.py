@@ -552,9 +552,6 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
         def save_grads(save_dir, state_dict, iteration, label):
             dumps.append([label, iteration])
 
-        before = _digests(trainer, scheduler, args)
-        callbacks_before = _callbacks(trainer.config)
-        hooks_before = _hooks(trainer)
         res = {}
         broken = contextlib.nullcontext()
         if arm == 'fork' and combo.get('break') == 'rng':

@@ -87,7 +87,8 @@ def main(*log_dirs: str) -> int:
         same = '-' if arm in ('none', 'control') else ('yes' if entry['same'] else 'NO')
         name = 'control (none, it 6-10)' if arm == 'control' else arm
         print(
-            f'| {model} | {name} | {entry["n"]} | ' + ' | '.join(cells)
+            f'| {model} | {name} | {entry["n"]} | '
+            + ' | '.join(cells)
             + f' | {within}/{total} | {same} |'
         )
     return status

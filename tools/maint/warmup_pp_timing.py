@@ -184,9 +184,7 @@ def _instrument(rec):
         stack.enter_context(
             patched(schedules, 'backward_step', _timed(rec, 'bwd', schedules.backward_step))
         )
-        stack.enter_context(
-            patched(p2p_communication.P2PCommunicator, '_communicate', communicate)
-        )
+        stack.enter_context(patched(p2p_communication.P2PCommunicator, '_communicate', communicate))
         stack.enter_context(
             patched(
                 training, 'finalize_model_grads', _timed(rec, 'fin', training.finalize_model_grads)

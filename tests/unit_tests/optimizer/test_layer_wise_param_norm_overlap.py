@@ -40,7 +40,7 @@ class Matrices(torch.nn.Module):
 
 
 def _layer_wise_optimizer_with_overlapped_gather():
-    """DDP with overlapped param gather and a LayerWise (SGD) optimizer, as the factory builds it."""
+    """DDP with overlapped param gather and a LayerWise (SGD) optimizer, as the factory builds."""
     config = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=4, bf16=True, params_dtype=torch.bfloat16
     )
