@@ -349,6 +349,11 @@ def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
         'warmup_log': [],
     }
     on_cpu = ctx.device.type == 'cpu'
+    # A fresh pretrain_gpt.py process starts with empty loss trackers; an earlier scenario of the
+    # same world may have left the class-level MTP tracker in another mode (dev asserts on that).
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker = {}
     if ctx.rank == 0:
         _build_helpers(ctx.tree_path)  # rank 0 compiles; the barrier below orders the others
     torch.distributed.barrier()

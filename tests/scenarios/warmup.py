@@ -472,12 +472,13 @@ def scenario_end_to_end(
         _naive_warmup(trainer, scheduler, args, warmup_steps, finalize)
     warmup = None
     if arm != 'naive':
-        from megatron.training import warmup as warmup_module
 
         def warmup(param_sync_func):
             buf = io.StringIO()
             clock = contextlib.nullcontext()
             if step_seconds:
+                import megatron.training.warmup as warmup_module
+
                 clock = _patched(warmup_module, '_now', _fake_clock(step_seconds))
             with contextlib.redirect_stdout(buf), clock:
                 report = _direct_warmup(
