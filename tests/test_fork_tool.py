@@ -166,6 +166,22 @@ def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
     assert run(sandbox, "check").returncode == 0
 
 
+def test_a_new_patch_is_named_by_its_fork_change_slug_uncut(sandbox, tmp_path):
+    """One name per change: ``commit --new`` + export name the file NNNN-<Fork-Change>.patch,
+    the next number after the series, and never cut a long name."""
+    slug = "ddp-overlap-grad-reduce-on-by-default-for-every-model-in-this-test"
+    target = sandbox / TARGET
+    target.write_text(target.read_text() + "# a change\n")
+    message = tmp_path / "message.txt"
+    message.write_text(f"Body.\n\nUpstream-Status: not-forwarded\nFork-Change: {slug}\n")
+    subject = "ddp: a subject long enough that a name cut at 52 characters loses its end"
+    proc = run(sandbox, "commit", "--new", subject, "--message-file", str(message))
+    assert proc.returncode == 0, proc.stderr
+    assert run(sandbox, "export").returncode == 0
+    assert (series_dir(sandbox) / "series").read_text() == f"fork/0001-{slug}.patch\n"
+    assert (series_dir(sandbox) / "fork" / f"0001-{slug}.patch").is_file()
+
+
 def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
     before = tree_digest(sandbox)
     (series_dir(sandbox) / "0001-bad.patch").write_text("this is not a patch\n")

@@ -126,3 +126,12 @@ def test_materialize_keeps_an_edited_source_and_export_folds_it_into_the_queue(c
     assert proc.returncode == 0, proc.stderr  # nothing unexported is left
     proc = run(checkout, "check", "--base", "0.19.2", "--base", "0.18.2")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_check_names_a_created_file_that_is_not_tracked_as_a_source(checkout):
+    """A patch that creates a file the checkout does not hold fails check, naming both."""
+    (checkout / SOURCE).unlink()
+    proc = run(checkout, "check", "--base", "0.18.2")
+    assert proc.returncode == 1
+    lines = [l for l in proc.stderr.splitlines() if SOURCE in l]
+    assert len(lines) == 1 and "patches/0.18.2/" in lines[0] and "not tracked" in lines[0]
