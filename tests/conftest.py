@@ -38,3 +38,11 @@ def pytest_report_header(config):
         f'harness backend: {launcher.backend()} (FORK_TEST_BACKEND); base: {bases.BASE} '
         f'(FORK_TEST_BASE; fork = {bases.FORK!r}, pristine = {bases.PRISTINE!r})'
     )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A rank that died takes its log with it on a CI machine: print the tail it left."""
+    if launcher.DEATHS:
+        terminalreporter.section('harness: ranks that exited with calls unfinished')
+        for text in launcher.DEATHS:
+            terminalreporter.write_line(text)

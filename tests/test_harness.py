@@ -41,6 +41,21 @@ def test_scenario_exception_reported_per_rank_with_exact_text():
     assert INFO_AFTER.result()[1]['sum'] == 3.0
 
 
+def test_dead_rank_leaves_its_log_tail_for_the_summary():
+    # A CI report shows pytest's output only: the log of a rank that died must reach it.
+    before = len(launcher.DEATHS)
+    per_rank = run_world(2, PRISTINE, [(f'{SELF}:scenario_abort', {'rank': 1})], timeout=300)[0]
+    assert per_rank[0] == {'rank': 0}
+    assert per_rank[1]['error'].startswith('HarnessError: rank 1 exited (rc -6) before call 0 ')
+    deaths = launcher.DEATHS[before:]
+    assert len(deaths) == 1, deaths
+    assert deaths[0].startswith(f'{PRISTINE} world 2: HarnessError: rank 1 exited (rc -6)')
+    assert 'selftest: rank 1 aborts now' in deaths[0]
+    # faulthandler in the worker: the Python stack of the abort is in the tail
+    assert 'Fatal Python error: Aborted' in deaths[0] and 'in scenario_abort' in deaths[0]
+    del launcher.DEATHS[before:]
+
+
 @CPU_ONLY
 def test_redirect_fails_loudly_on_uncovered_cuda_call():
     for err in UNCOVERED.errors():

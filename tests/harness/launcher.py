@@ -14,6 +14,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHADOW_EXIT = 17
+# One entry per rank that exited non-zero with calls unfinished: what it was running, its log tail.
+DEATHS = []
 
 
 class HarnessError(RuntimeError):
@@ -238,12 +240,17 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
         out = os.path.join(work, f'rank{rank}.json')
         res = json.load(open(out)) if os.path.exists(out) else []
         for i in range(len(res), len(calls)):
-            res.append(
-                {
-                    'error': f'HarnessError: rank {rank} exited (rc {procs[rank].returncode}) '
-                    f'before call {i} ({calls[i][0]}) finished; logs in {work}'
-                }
+            error = (
+                f'HarnessError: rank {rank} exited (rc {procs[rank].returncode}) '
+                f'before call {i} ({calls[i][0]}) finished; logs in {work}'
             )
+            if i == len(res) and procs[rank].returncode != 0:
+                # The logs stay behind on the machine that ran the world: keep the tail for the
+                # session's summary (tests/conftest.py), which is all a CI report shows.
+                DEATHS.append(
+                    f'{label} world {world_size}: {error}\n' + _tails(work, 1, n=6000, ranks=[rank])
+                )
+            res.append({'error': error})
         per_rank.append(res)
     if all(procs[r].returncode != 0 for r in range(world_size)) and not any(
         os.path.exists(os.path.join(work, f'rank{r}.json')) for r in range(world_size)
@@ -255,9 +262,9 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
 
 
-def _tails(work, world_size, n=3000):
+def _tails(work, world_size, n=3000, ranks=None):
     parts = []
-    for rank in range(world_size):
+    for rank in range(world_size) if ranks is None else ranks:
         try:
             text = open(os.path.join(work, f'rank{rank}.log')).read()
         except OSError:

@@ -48,3 +48,15 @@ def scenario_redirected(ctx):
         'cuda_call_device': str(x.cuda().device),
         'to_device': str(x.to('cuda').device),
     }
+
+
+def scenario_abort(ctx, rank):
+    """Rank ``rank`` writes a line and aborts (SIGABRT), the others return."""
+    import os
+    import sys
+
+    if ctx.rank == rank:
+        sys.stderr.write(f'selftest: rank {rank} aborts now\n')
+        sys.stderr.flush()
+        os.abort()
+    return {'rank': ctx.rank}

@@ -8,6 +8,7 @@ call, so a crash still leaves the results of the calls before it.
 """
 
 import datetime
+import faulthandler
 import importlib
 import json
 import multiprocessing
@@ -74,6 +75,9 @@ def main(spec_path, rank):
     with open(spec_path) as f:
         spec = json.load(f)
     rank = int(rank)
+    # A fatal signal (an abort in a collective's thread, a segfault) prints every thread's Python
+    # stack into the rank log, which the launcher hands to the pytest summary.
+    faulthandler.enable(all_threads=True)
     world_size = spec['world_size']
     backend = spec['backend']
     tree = os.path.realpath(spec['tree_path'])
