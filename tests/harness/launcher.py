@@ -135,7 +135,24 @@ def run_world(world_size, tree, calls, timeout=None, extra_env=None, pg_timeout_
     The master port is picked free and released before rank 0 binds it, so another process can
     take it in between; a world that failed to start on ``EADDRINUSE`` is launched again on a new
     port (up to 3 attempts). Any other failure is raised at once.
+
+    A rank killed by a signal it did not get from the launcher (an abort, a segfault: never a
+    Python exception, which is a result) takes every later call of its world with it. The calls
+    from the first one it left unfinished run once more in a fresh world; the death stays in
+    :data:`DEATHS` for the session summary either way, and a second death is reported as is.
     """
+    results, crashed_at = _start(world_size, tree, calls, timeout, extra_env, pg_timeout_s)
+    if crashed_at is None:
+        return results
+    DEATHS.append(
+        f'{resolve_tree(tree)[0]} world {world_size}: calls {crashed_at}-{len(calls) - 1} run '
+        'again in a fresh world after the death above'
+    )
+    again, _ = _start(world_size, tree, calls[crashed_at:], timeout, extra_env, pg_timeout_s)
+    return results[:crashed_at] + again
+
+
+def _start(world_size, tree, calls, timeout, extra_env, pg_timeout_s):
     for attempt in range(_START_ATTEMPTS):
         try:
             return _run_world_once(world_size, tree, calls, timeout, extra_env, pg_timeout_s)
@@ -162,8 +179,9 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
         pg_timeout_s: process-group timeout; a collective that waits longer raises.
 
     Returns:
-        One list per call, each holding the per-rank results (dict returned by the scenario, or
-        {"error": "<ExcType>: <message>"}).
+        (results, crashed_at): one list per call, each holding the per-rank results (dict
+        returned by the scenario, or {"error": "<ExcType>: <message>"}); and the first call a
+        rank left unfinished when a signal of its own killed it (None if none did).
 
     Raises:
         TreeShadowedError: megatron.core did not come from the requested tree.
@@ -227,24 +245,30 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
                     break
             time.sleep(0.05)
     finally:
-        for p in procs:
+        killed = set()
+        for rank, p in enumerate(procs):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+                killed.add(rank)
         for log in logs:
             log.close()
     if any(p.returncode == SHADOW_EXIT for p in procs):
         raise TreeShadowedError(_tails(work, world_size))
     per_rank = []
+    crashed_at = None
     for rank in range(world_size):
         out = os.path.join(work, f'rank{rank}.json')
         res = json.load(open(out)) if os.path.exists(out) else []
-        for i in range(len(res), len(calls)):
+        done = len(res)
+        if procs[rank].returncode < 0 and rank not in killed and done < len(calls):
+            crashed_at = done if crashed_at is None else min(crashed_at, done)
+        for i in range(done, len(calls)):
             error = (
                 f'HarnessError: rank {rank} exited (rc {procs[rank].returncode}) '
                 f'before call {i} ({calls[i][0]}) finished; logs in {work}'
             )
-            if i == len(res) and procs[rank].returncode != 0:
+            if i == done and procs[rank].returncode != 0 and rank not in killed:
                 # The logs stay behind on the machine that ran the world: keep the tail for the
                 # session's summary (tests/conftest.py), which is all a CI report shows.
                 DEATHS.append(
@@ -259,7 +283,7 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
             f'world of {world_size} on {label} ({path}) failed to start, return codes '
             f'{[p.returncode for p in procs]}\n' + _tails(work, world_size)
         )
-    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))], crashed_at
 
 
 def _tails(work, world_size, n=3000, ranks=None):

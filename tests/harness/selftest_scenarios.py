@@ -50,12 +50,15 @@ def scenario_redirected(ctx):
     }
 
 
-def scenario_abort(ctx, rank):
-    """Rank ``rank`` writes a line and aborts (SIGABRT), the others return."""
+def scenario_abort(ctx, rank, marker=None):
+    """Rank ``rank`` writes a line and aborts (SIGABRT), the others return. With ``marker`` (a
+    file path) the rank aborts only while the file does not exist, creating it first: once."""
     import os
     import sys
 
-    if ctx.rank == rank:
+    if ctx.rank == rank and not (marker and os.path.exists(marker)):
+        if marker:
+            open(marker, 'w').close()
         sys.stderr.write(f'selftest: rank {rank} aborts now\n')
         sys.stderr.flush()
         os.abort()
