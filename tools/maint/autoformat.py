@@ -254,11 +254,14 @@ def pylint_set(label):
 
 
 def lint_all(jobs, tmp):
-    """jobs: list of (path, label, lines, pristine_black, pristine_isort, fixable)."""
-    for path, label, lines, p_black, p_isort, fixable in jobs:
+    """jobs: list of (path, label, lines, pristine_black, pristine_isort, fixable, ours)."""
+    for path, label, lines, p_black, p_isort, fixable, ours in jobs:
         if not CHECK and fixable:
             run(ISORT + [path])
             run(BLACK + [path])
+        if not CHECK and ours:
+            # ruff counts only the series' lines of an upstream file; its whole-file fixes
+            # (an unused upstream import, an upstream f-string) would drag upstream lines in.
             run(RUFF + ["--fix", path])
         check_formatter("isort", ISORT, path, label, lines, p_isort)
         check_formatter("black", BLACK, path, label, lines, p_black)
@@ -298,7 +301,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     CHECK, TREE = args.check, os.path.abspath(args.tree)
     own = own_files()
-    jobs = [(f, f, None, True, True, True) for f in own]
+    jobs = [(f, f, None, True, True, True, True) for f in own]
     try:
         patches = series_patches()
     except ForkError as exc:
@@ -328,7 +331,7 @@ def main(argv=None):
                 # Fixing an upstream file that was not clean would drag upstream lines into
                 # the series; only fix files whose whole content is held to the gates.
                 fixable = p_black and p_isort
-                jobs.append((patched, path, lines, p_black, p_isort, fixable))
+                jobs.append((patched, path, lines, p_black, p_isort, fixable, pristine is None))
         lint_all(jobs, tmp)
     n_series = len(touched)
     print(
