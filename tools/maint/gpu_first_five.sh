@@ -18,6 +18,8 @@
 # loop runs repeat by repeat, model by model, so the arms of one model run back to back.
 # Logs: $OUT (default build/first-five-logs)/<model>-<arm>-<TAG><rep>.log;
 # tools/maint/first_five_table.py makes the table (losses must equal the none arm's).
+# DEADLINE (epoch seconds): start no run after it (a device call has a wall-clock limit; the
+# runs left out are named, the logs written so far stay).
 set -uo pipefail
 tree=$(realpath "$1") mlm=$(realpath "$2") repeats=${3:-2}
 out=${OUT:-$PWD/build/first-five-logs}
@@ -45,6 +47,10 @@ for rep in $(seq 1 "$repeats"); do
   for model in ${MODELS:-dense moe fp16 ddp opg accum}; do
     for arm in ${ARMS:-none warmup2 warmup5}; do
       declare -n shape=$model
+      if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
+        echo "== $model $arm $rep: not run (DEADLINE)"
+        continue
+      fi
       extra=()
       [ "$arm" != none ] && extra=(--warmup-train-steps "${arm#warmup}")
       name="$out/$model-$arm-${TAG:-r}$rep"
