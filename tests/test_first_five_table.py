@@ -10,15 +10,16 @@ import sys
 TOOL = pathlib.Path(__file__).resolve().parents[1] / 'tools' / 'maint' / 'first_five_table.py'
 
 
-def _log(path, times, skipped=(), losses=None):
+def _log(path, times, skipped=(), losses=None, norms=None):
     lines = []
     for it, ms in enumerate(times, 1):
         loss = (losses or {}).get(it, f'{10 - it * 0.01:.6E}')
+        norm = (norms or {}).get(it, '1.000')
         # upstream's training_log: a skipped iteration has no lm loss and no grad norm
         stats = (
             ' loss scale: 2.0 | number of skipped iterations: 1 |'
             if it in skipped
-            else f' lm loss: {loss} | loss scale: 1.0 | grad norm: 1.000 |'
+            else f' lm loss: {loss} | loss scale: 1.0 | grad norm: {norm} |'
             ' number of skipped iterations: 0 |'
         )
         lines.append(
@@ -66,12 +67,14 @@ def test_losses_compared_with_the_none_runs_of_other_repeats(tmp_path):
     _log(tmp_path / 'm-none-a2.log', [100.0] * 30)
     _log(tmp_path / 'm-warmup10-c1.log', [100.0] * 30)
     _log(tmp_path / 'm-warmup10-c2.log', [100.0] * 30, losses={30: '2.000000E+00'})
+    _log(tmp_path / 'm-warmup5-c1.log', [100.0] * 30, norms={3: '1.001'})
     _log(tmp_path / 'n-warmup2-c1.log', [100.0] * 30)
     rc, out, _ = _table(tmp_path)
     assert rc == 0
     rows = _rows(out)
     assert rows[('m', 'none')].endswith('| yes |')
     assert rows[('m', 'warmup10')].endswith('| NO |')
+    assert rows[('m', 'warmup5')].endswith('| NO |')  # same losses, another grad norm
     assert rows[('n', 'warmup2')].endswith('| NO |')  # no none run: nothing shows it unchanged
 
 
@@ -90,3 +93,10 @@ def test_incomplete_log_is_an_error(tmp_path):
     rc, _, err = _table(tmp_path)
     assert rc == 1
     assert 'm-none-' in err and 'incomplete (12 stepped iterations)' in err
+
+
+def test_committed_h200_table_is_what_its_logs_give():
+    results = TOOL.parents[2] / 'results' / 'first-five-h200-2026-12-05'
+    rc, out, err = _table(results)
+    assert rc == 0, err
+    assert out == (results / 'table.md').read_text()

@@ -13,8 +13,8 @@ the repeats and over the directories: the median and the largest ratio of each o
 positions, and how many of them are within 1.05. The "none" arm's 6th-10th stepped iterations
 (its first after its own one-time costs) are the noise control: what a step without any one-time
 cost reads there.
-"losses = none": every lm loss (iteration by iteration) equals that of every "none" run of the
-same model (a warmup must not change the run; the runs are deterministic, so all none runs agree).
+"losses = none": every lm loss and grad norm (iteration by iteration, as printed) equals that of
+every "none" run of the same model (a warmup must not change the run; the runs are deterministic, so all none runs agree).
 """
 
 import gzip
@@ -25,6 +25,7 @@ import sys
 
 ITER = re.compile(r'iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)(?P<rest>.*)')
 LOSS = re.compile(r'lm loss: ([0-9.E+-]+)')
+NORM = re.compile(r'grad norm: ([0-9.E+-]+)')
 BOUND = 1.05
 STEADY = range(9, 30)  # the 10th-30th stepped iterations (0-based positions)
 MIN_STEADY = 8
@@ -32,7 +33,8 @@ FIRST = 5
 
 
 def parse(path: pathlib.Path) -> dict:
-    """{iteration: (ms, lm loss or None, stepped)} of one log; stepped: the line has a grad norm."""
+    """{iteration: (ms, lm loss or None, stepped, grad norm or None)} of one log; stepped: the
+    line has a grad norm."""
     opener = gzip.open if path.suffix == '.gz' else open
     with opener(path, 'rt', errors='replace') as handle:
         lines = handle.read().splitlines()
@@ -41,10 +43,12 @@ def parse(path: pathlib.Path) -> dict:
         m = ITER.search(line)
         if m:
             loss = LOSS.search(m.group('rest'))
+            norm = NORM.search(m.group('rest'))
             out[int(m.group(1))] = (
                 float(m.group(2)),
                 loss.group(1) if loss else None,
-                'grad norm' in m.group('rest'),
+                norm is not None,
+                norm.group(1) if norm else None,
             )
     return out
 
@@ -70,7 +74,8 @@ def ratios(run: dict, positions) -> list:
 
 
 def losses(run: dict) -> list:
-    return [(i, run[i][1]) for i in sorted(run) if run[i][1] is not None]
+    """(iteration, lm loss, grad norm) of every iteration that printed a loss, as printed."""
+    return [(i, run[i][1], run[i][3]) for i in sorted(run) if run[i][1] is not None]
 
 
 def main(*log_dirs: str) -> int:
