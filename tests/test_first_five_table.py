@@ -51,8 +51,9 @@ def test_ratios_skip_fp16_overflow_steps_and_flag_changed_losses(tmp_path):
     rc, out, err = _table(tmp_path)
     assert rc == 0, err
     rows = _rows(out)
-    assert '| 3.00 (3.00) | 1.50 (1.50) | 1.20 (1.20) | 1.10 (1.10) | 1.01 (1.01) | 1/5 | yes |' in (
-        rows[('m', 'none')]
+    assert (
+        '| 3.00 (3.00) | 1.50 (1.50) | 1.20 (1.20) | 1.10 (1.10) | 1.01 (1.01) | 1/5 | yes |'
+        in (rows[('m', 'none')])
     )
     assert '| 1.04 (1.04) | 1.00 (1.00) |' in rows[('h', 'warmup2')]
     assert rows[('h', 'warmup2')].endswith('| 5/5 | yes |')

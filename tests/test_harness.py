@@ -95,6 +95,18 @@ def test_rank_killed_by_a_signal_once_runs_its_calls_again(tmp_path):
     )
 
 
+def test_rank_that_exits_by_itself_is_not_run_again():
+    # Only a signal of its own gets a rank a fresh world: an exit status is the code's answer.
+    before = len(launcher.DEATHS)
+    calls = [(f'{SELF}:scenario_exit', {'rank': 1, 'code': 5}), (f'{SELF}:scenario_info', {})]
+    per_rank = run_world(2, PRISTINE, calls, timeout=300)
+    deaths = launcher.DEATHS[before:]
+    del launcher.DEATHS[before:]
+    assert per_rank[0][1]['error'].startswith('HarnessError: rank 1 exited (rc 5) before call 0 ')
+    assert per_rank[1][1]['error'].startswith('HarnessError: rank 1 exited (rc 5) before call 1 ')
+    assert len(deaths) == 1 and 'rank 1 exited (rc 5) before call 0' in deaths[0], deaths
+
+
 @CPU_ONLY
 def test_redirect_fails_loudly_on_uncovered_cuda_call():
     for err in UNCOVERED.errors():

@@ -63,3 +63,12 @@ def scenario_abort(ctx, rank, marker=None):
         sys.stderr.flush()
         os.abort()
     return {'rank': ctx.rank}
+
+
+def scenario_exit(ctx, rank, code):
+    """Rank ``rank`` leaves with ``os._exit(code)`` (no signal), the others return."""
+    import os
+
+    if ctx.rank == rank:
+        os._exit(code)
+    return {'rank': ctx.rank}

@@ -14,7 +14,8 @@ positions, and how many of them are within 1.05. The "none" arm's 6th-10th stepp
 (its first after its own one-time costs) are the noise control: what a step without any one-time
 cost reads there.
 "losses = none": every lm loss and grad norm (iteration by iteration, as printed) equals that of
-every "none" run of the same model (a warmup must not change the run; the runs are deterministic, so all none runs agree).
+every "none" run of the same model (a warmup must not change the run; the runs are
+deterministic, so all none runs agree).
 """
 
 import gzip
@@ -23,7 +24,9 @@ import re
 import statistics
 import sys
 
-ITER = re.compile(r'iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)(?P<rest>.*)')
+ITER = re.compile(
+    r'iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)(?P<rest>.*)'
+)
 LOSS = re.compile(r'lm loss: ([0-9.E+-]+)')
 NORM = re.compile(r'grad norm: ([0-9.E+-]+)')
 BOUND = 1.05
