@@ -256,13 +256,12 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
     if any(p.returncode == SHADOW_EXIT for p in procs):
         raise TreeShadowedError(_tails(work, world_size))
     per_rank = []
-    crashed_at = None
+    crashed = False
     for rank in range(world_size):
         out = os.path.join(work, f'rank{rank}.json')
         res = json.load(open(out)) if os.path.exists(out) else []
         done = len(res)
-        if procs[rank].returncode < 0 and rank not in killed and done < len(calls):
-            crashed_at = done if crashed_at is None else min(crashed_at, done)
+        crashed |= procs[rank].returncode < 0 and rank not in killed and done < len(calls)
         for i in range(done, len(calls)):
             error = (
                 f'HarnessError: rank {rank} exited (rc {procs[rank].returncode}) '
@@ -275,7 +274,10 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
                     f'{label} world {world_size}: {error}\n' + _tails(work, 1, n=6000, ranks=[rank])
                 )
             res.append({'error': error})
-        per_rank.append(res)
+        per_rank.append((done, res))
+    # The first call some rank (the dead one, or a peer killed while waiting) left unfinished.
+    crashed_at = min(done for done, _ in per_rank) if crashed else None
+    per_rank = [res for _, res in per_rank]
     if all(procs[r].returncode != 0 for r in range(world_size)) and not any(
         os.path.exists(os.path.join(work, f'rank{r}.json')) for r in range(world_size)
     ):
