@@ -36,8 +36,8 @@ FIRST = 5
 
 
 def parse(path: pathlib.Path) -> dict:
-    """{iteration: (ms, lm loss or None, stepped, grad norm or None)} of one log; stepped: the
-    line has a grad norm."""
+    """{iteration: (ms, lm loss or None, grad norm or None)} of one log; an iteration stepped
+    when its line has a grad norm."""
     opener = gzip.open if path.suffix == '.gz' else open
     with opener(path, 'rt', errors='replace') as handle:
         lines = handle.read().splitlines()
@@ -50,7 +50,6 @@ def parse(path: pathlib.Path) -> dict:
             out[int(m.group(1))] = (
                 float(m.group(2)),
                 loss.group(1) if loss else None,
-                norm is not None,
                 norm.group(1) if norm else None,
             )
     return out
@@ -58,7 +57,7 @@ def parse(path: pathlib.Path) -> dict:
 
 def stepped(run: dict) -> list:
     """The times of the iterations that stepped, in order."""
-    return [run[i][0] for i in sorted(run) if run[i][2]]
+    return [run[i][0] for i in sorted(run) if run[i][2] is not None]
 
 
 def steady_positions(run: dict) -> list:
@@ -78,7 +77,7 @@ def ratios(run: dict, positions) -> list:
 
 def losses(run: dict) -> list:
     """(iteration, lm loss, grad norm) of every iteration that printed a loss, as printed."""
-    return [(i, run[i][1], run[i][3]) for i in sorted(run) if run[i][1] is not None]
+    return [(i, run[i][1], run[i][2]) for i in sorted(run) if run[i][1] is not None]
 
 
 def main(*log_dirs: str) -> int:
@@ -97,14 +96,15 @@ def main(*log_dirs: str) -> int:
         if arm == 'none':
             nones.setdefault(model, []).append(losses(run))
     for (model, arm, rep), run in runs.items():
-        short = steady_positions(run)[:1] == [FIRST]
-        if len(steady_positions(run)) < MIN_STEADY:
+        positions = steady_positions(run)
+        if len(positions) < MIN_STEADY:
             print(
                 f'{model}-{arm}-{rep}: incomplete ({len(stepped(run))} stepped iterations)',
                 file=sys.stderr,
             )
             status = 1
             continue
+        short = positions[0] != STEADY[0]
         same = bool(nones.get(model)) and all(losses(run) == other for other in nones[model])
         entry = pooled.setdefault((model, arm), {'ratios': [], 'same': True, 'n': 0, 'short': 0})
         entry['ratios'].append(ratios(run, range(FIRST)))
@@ -126,11 +126,8 @@ def main(*log_dirs: str) -> int:
         cells = [f'{statistics.median(c):.2f} ({max(c):.2f})' for c in columns]
         within = sum(v <= BOUND for c in columns for v in c)
         total = sum(len(c) for c in columns)
-        if arm in ('none', 'control'):
-            same = 'yes' if entry['same'] else 'NO'  # the none runs agree among themselves
-            same = '-' if arm == 'control' else same
-        else:
-            same = 'yes' if entry['same'] else 'NO'
+        # for the none arm: whether its runs agree among themselves
+        same = '-' if arm == 'control' else ('yes' if entry['same'] else 'NO')
         name = 'control (none, it 6-10)' if arm == 'control' else arm
         print(
             f'| {model} | {name} | {entry["n"]}{"*" if entry["short"] else ""} | '
