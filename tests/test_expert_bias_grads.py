@@ -9,7 +9,7 @@ biases on, sequence parallel whenever TP > 1) in DDP, one real forward/backward,
   totals agree with TP1/EP=world, where no grad is reduced at all.
 - pristine (counterfactual, every base): the expert fc2 bias is also summed over the dense TP
   group: TP2/EP2/ETP1 gives rank 0's expert 0 the bias grad of rank 1's expert 2 added
-  (1.3812821 where -0.3286967 is right); with every grad set to rank + 1, 3.0 where 1.0 / 2.0
+  (the two grads summed where one is right); with every grad set to rank + 1, 3.0 where 1.0 / 2.0
   are right, and at TP2/EP1/ETP1 6.0 where 3.0 is right on bases that reduce expert params over
   expert DP (0.19.2 upstream, the fork's 0009 elsewhere).
 Upstream refuses MoE biases with ETP > 1, and with biases the local experts cannot train at
@@ -124,13 +124,15 @@ def test_pristine_tp2_ep2_adds_the_other_rank_s_expert():
     peer's first local expert) added."""
     rank0, rank1 = _cases(_results(PRISTINE, 2, 'train'), [2, 2, 1])
     got = rank0['params'][f'expert0.{FC2_BIAS}']
-    assert got['want'] == pytest.approx(-0.3286967, abs=1e-6)
-    assert got['got'] == pytest.approx(1.3812821, abs=1e-6)
-    assert got['got'] == pytest.approx(
-        got['want'] + rank1['params'][f'expert2.{FC2_BIAS}']['want'], abs=1e-6
-    )
+    other = rank1['params'][f'expert2.{FC2_BIAS}']['want']
+    # Both expectations come from this run's own reference grads (no value measured once).
+    assert abs(other) > 1e-3 * max(abs(got['want']), 1.0)  # the added grad is not negligible
+    assert got['got'] == pytest.approx(got['want'] + other, rel=1e-5, abs=1e-6)
+    assert got['got'] != pytest.approx(got['want'], rel=1e-3)
     fork0, _ = _cases(_results('fork', 2, 'train'), [2, 2, 1])
-    assert fork0['params'][f'expert0.{FC2_BIAS}']['got'] == pytest.approx(-0.3286967, abs=1e-6)
+    fork_got = fork0['params'][f'expert0.{FC2_BIAS}']
+    assert fork_got['want'] == got['want']  # the same reference on both trees
+    assert fork_got['got'] == pytest.approx(got['want'], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize('world', [2, 4])

@@ -76,11 +76,13 @@ def _groups(ddp):
     return ddp.bucket_groups + ddp.expert_parallel_bucket_groups
 
 
-def _batch(ctx, step, microbatch):
-    gen = torch.Generator().manual_seed(100000 * (step + 7) + 100 * microbatch + ctx.rank)
-    x = torch.randn(4, 8, generator=gen).to(ctx.device)
-    y = torch.randn(4, 4, generator=gen).to(ctx.device)
-    return x, y
+def _batch(ctx, step, microbatch, rank=None):
+    """A microbatch of ``rank`` (default: this rank), on the CPU when another rank's."""
+    rank = ctx.rank if rank is None else rank
+    gen = torch.Generator().manual_seed(100000 * (step + 7) + 100 * microbatch + rank)
+    x = torch.randn(4, 8, generator=gen)
+    y = torch.randn(4, 4, generator=gen)
+    return (x.to(ctx.device), y.to(ctx.device)) if rank == ctx.rank else (x, y)
 
 
 def _local_grad_norm(ctx, step, microbatches, expert=True):
@@ -96,6 +98,41 @@ def _local_grad_norm(ctx, step, microbatches, expert=True):
         torch.nn.functional.mse_loss(net(x), y).backward()
     total = sum(p.grad.double().pow(2).sum() for p in net.parameters())
     return math.sqrt(float(total))
+
+
+def _fp64_grads(ctx, step, microbatch, rank):
+    """FP64 grads of one microbatch of ``rank`` (the fixed weights in double, plain torch)."""
+    torch.manual_seed(SEED)
+    net = _TinyNet(True).double()
+    x, y = _batch(ctx, step, microbatch, rank)
+    torch.nn.functional.mse_loss(net(x.cpu().double()), y.cpu().double()).backward()
+    return [p.grad for p in net.parameters()]
+
+
+def fp64_step_norms(ctx, step, microbatches):
+    """FP64 norms of a step's reduced grads on this rank, from every rank's batches.
+
+    Returns:
+        {'reduced': the norm of the mean over ranks of each rank's summed microbatch grads (what
+        a correct step gives), 'early': the norm of the mean over ranks of microbatch 0's grads
+        plus this rank's own later microbatches (what a reduce dispatched after microbatch 0,
+        settled before microbatch 1, leaves in the buffer)}.
+    """
+    per_rank = [
+        [_fp64_grads(ctx, step, mb, r) for mb in range(microbatches)]
+        for r in range(ctx.world_size)
+    ]
+    n = ctx.world_size
+
+    def norm(grads):
+        return math.sqrt(float(sum(g.pow(2).sum() for g in grads)))
+
+    reduced = [sum(sum(mbs[mb][i] for mb in range(microbatches)) for mbs in per_rank) / n
+               for i in range(len(per_rank[0][0]))]
+    early = [sum(mbs[0][i] for mbs in per_rank) / n
+             + sum(per_rank[ctx.rank][mb][i] for mb in range(1, microbatches))
+             for i in range(len(per_rank[0][0]))]
+    return {'reduced': norm(reduced), 'early': norm(early)}
 
 
 def _grad_norm(ddp, ctx):
@@ -278,6 +315,7 @@ def scenario_overcount(ctx, later_no_sync=False, microbatches=2, settle=True):
         _drain(ddp)
     out['golden'] = [sorted(g.golden_per_param_grad_ready_counts.values()) for g in _groups(ddp)]
     out['golden_at_step1'] = golden
+    out['fp64'] = fp64_step_norms(ctx, 1, microbatches)
     return out
 
 
