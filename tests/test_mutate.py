@@ -189,7 +189,7 @@ def test_refuses_a_tree_the_tests_do_not_import():
 
     base = bases.WORKSPACE.base()
     if base is None:
-        pytest.skip('megatron/ is not materialized in this checkout')
+        pytest.fail('megatron/ is not materialized in this checkout: run tools/install.sh')
     tree = REPO / 'build' / 'trees' / f'fork-{base}'
     proc = subprocess.run(
         [sys.executable, str(MUTATE), '--tree', str(tree), '--list'],

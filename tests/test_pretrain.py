@@ -1,9 +1,9 @@
 """Upstream's real pretrain() with --warmup-train-steps (patch 0004), end to end.
 
-Runs Megatron-LM's own pretrain_gpt.py (read from the Megatron-LM mirror at the selected base's
-ref, bases.upstream_ref(): core_v0.18.2, core_r0.19.0 or the dev pin; never committed) through
-megatron.training.pretrain(): model_provider + gpt_builder, forward_step, MockGPTDataset, a tiny
-local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with overlap_grad_reduce and the
+Runs a GPT entry point through megatron.training.pretrain() (tests/scenarios/pretrain.py): the
+project's own tests/driver/pretrain_tiny_gpt.py on every machine and, in the megatron-lm tier
+(FORK_MEGATRON_LM names a clone), Megatron-LM's own pretrain_gpt.py at the selected base's ref
+(never committed). Model provider, forward step, MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with overlap_grad_reduce and the
 distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
 harness's CUDA redirect plus its pretrain mode) at world sizes 1 and 2, or on GPUs with
 FORK_TEST_BACKEND=nccl.
@@ -20,7 +20,7 @@ FORK_TEST_BACKEND=nccl.
 import pytest
 
 from tests.harness import bases, call
-from tests.scenarios.pretrain import tiny_gpt_args
+from tests.scenarios.pretrain import driver_params, driver_script_name, drivers_here, tiny_gpt_args
 
 S = 'tests.scenarios.pretrain:scenario_pretrain_gpt'
 FORK = bases.FORK
@@ -36,21 +36,27 @@ def _argv(ws, arm):
 
 
 RUNS = {
-    (ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), tag=REF, timeout=300)
+    (driver, ws, arm): call(
+        ws, FORK, S, argv=_argv(ws, arm), driver=driver, tag=REF, timeout=300
+    )
+    for driver in drivers_here()
     for ws in (1, 2)
     for arm in ARMS
 }
-PRISTINE_FLAG = call(1, PRISTINE, S, argv=_argv(1, 'warmup'), tag=REF, timeout=120)
-PRISTINE_NONE = call(1, PRISTINE, S, argv=_argv(1, 'none'), tag=REF, timeout=300)
+PRISTINE_FLAG = {
+    d: call(1, PRISTINE, S, argv=_argv(1, 'warmup'), driver=d, tag=REF, timeout=120)
+    for d in drivers_here()
+}
+PRISTINE_NONE = {
+    d: call(1, PRISTINE, S, argv=_argv(1, 'none'), driver=d, tag=REF, timeout=300)
+    for d in drivers_here()
+}
+DRIVERS = driver_params()
 
 
 def _ok(handle):
     per_rank = handle.result()
     for rank, res in enumerate(per_rank):
-        if 'missing' in res:
-            pytest.skip(
-                f'Megatron-LM script not available: {res["missing"]} (set FORK_MEGATRON_LM)'
-            )
         assert 'error' not in res, f'rank {rank}: {res["error"]}'
         assert res['exit'] in (None, 0), f'rank {rank}: exit {res["exit"]}'
     return per_rank
@@ -61,9 +67,10 @@ def _trained(res):
     return res['iterations'], res['final_model'], res['final_optimizer']
 
 
+@pytest.mark.parametrize('driver', DRIVERS)
 @pytest.mark.parametrize('ws', [1, 2])
-def test_pretrain_gpt_trains(ws):
-    for res in _ok(RUNS[(ws, 'none')]):
+def test_pretrain_gpt_trains(ws, driver):
+    for res in _ok(RUNS[(driver, ws, 'none')]):
         assert [it['iteration'] for it in res['iterations']] == list(range(1, ITERS + 1))
         losses = [float.fromhex(it['losses']['lm loss'][0]) for it in res['iterations']]
         assert all(0 < loss < 10 for loss in losses), losses
@@ -73,19 +80,21 @@ def test_pretrain_gpt_trains(ws):
         assert res['warmup_log'] == []
 
 
+@pytest.mark.parametrize('driver', DRIVERS)
 @pytest.mark.parametrize('ws', [1, 2])
-def test_warmup_through_pretrain_is_bitwise_invisible(ws):
-    none = _ok(RUNS[(ws, 'none')])
-    warm = _ok(RUNS[(ws, 'warmup')])
+def test_warmup_through_pretrain_is_bitwise_invisible(ws, driver):
+    none = _ok(RUNS[(driver, ws, 'none')])
+    warm = _ok(RUNS[(driver, ws, 'warmup')])
     for rank, (a, b) in enumerate(zip(none, warm)):
         assert b['iterations'] == a['iterations'], f'rank {rank}'
         assert _trained(b) == _trained(a), f'rank {rank}'
         assert b['final_scheduler_steps'] == a['final_scheduler_steps'], f'rank {rank}'
 
 
+@pytest.mark.parametrize('driver', DRIVERS)
 @pytest.mark.parametrize('ws', [1, 2])
-def test_warmup_ran_at_the_start_of_train(ws):
-    for rank, res in enumerate(_ok(RUNS[(ws, 'warmup')])):
+def test_warmup_ran_at_the_start_of_train(ws, driver):
+    for rank, res in enumerate(_ok(RUNS[(driver, ws, 'warmup')])):
         # Inside train(), before any real step read a batch and before its interval timer (so no
         # logged iteration contains the warmup).
         assert res['warmup_calls'] == [
@@ -108,17 +117,19 @@ def test_warmup_ran_at_the_start_of_train(ws):
             assert res['warmup_log'] == []
 
 
-def test_pristine_rejects_the_flag():
-    for res in PRISTINE_FLAG.result():
+@pytest.mark.parametrize('driver', DRIVERS)
+def test_pristine_rejects_the_flag(driver):
+    for res in PRISTINE_FLAG[driver].result():
         assert 'error' not in res, res['error']
         assert res['exit'] == 2
         assert res['argparse_error'] == (
-            'pretrain_gpt.py: error: unrecognized arguments: --warmup-train-steps 2'
+            f'{driver_script_name(driver)}: error: unrecognized arguments: --warmup-train-steps 2'
         )
         assert res['iterations'] == []
 
 
-def test_fork_without_the_flag_trains_as_pristine():
-    (pristine,) = _ok(PRISTINE_NONE)
-    (fork,) = _ok(RUNS[(1, 'none')])
+@pytest.mark.parametrize('driver', DRIVERS)
+def test_fork_without_the_flag_trains_as_pristine(driver):
+    (pristine,) = _ok(PRISTINE_NONE[driver])
+    (fork,) = _ok(RUNS[(driver, 1, 'none')])
     assert _trained(fork) == _trained(pristine)

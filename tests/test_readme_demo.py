@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import bases, launcher
+from tests.harness import bases, launcher, tiers
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location('fork_demo', REPO / 'tools' / 'demo.py')
@@ -25,8 +25,8 @@ HANDLES = (
     if launcher.backend() == 'gloo'
     else {}
 )
-pytestmark = pytest.mark.skipif(
-    launcher.backend() != 'gloo', reason="the README's demo table is the gloo (CPU) one"
+pytestmark = tiers.skipif(
+    launcher.backend() != 'gloo', 'nccl', "the README's demo table is the gloo (CPU) one"
 )
 
 

@@ -4,7 +4,8 @@
 0003 moves train()'s loop set-up into install_train_loop_hooks(), which train() and the warmup
 both call. A test that compares the warmup with the fork's own train() cannot see a break of that
 function: both arms share it. Here the reference is upstream's own train() on the pristine base:
-upstream's pretrain_gpt.py runs through the real pretrain() on both trees, and at every train_step
+a GPT entry point (the project's driver; upstream's pretrain_gpt.py too in the megatron-lm tier)
+runs through the real pretrain() on both trees, and at every train_step
 call and at the end of train() the model config's callbacks are recorded as "which bound method of
 which object" (or the function's name, or None), with the DDP forward pre-hook state. The fork,
 with and without --warmup-train-steps 2, must record exactly what pristine records at the same
@@ -22,7 +23,7 @@ Layouts (world 2), each covering what a mutation of the moved set-up would chang
 import pytest
 
 from tests.harness import bases, call
-from tests.scenarios.pretrain import tiny_gpt_args
+from tests.scenarios.pretrain import driver_params, drivers_here, tiny_gpt_args
 from tests.scenarios.warmup_observed import results_of
 
 S = 'tests.scenarios.warmup_observed:scenario_observe'
@@ -40,21 +41,27 @@ LAYOUTS = {
 # (layout, arm): the fork without the flag runs where it adds a case (PP x VPP).
 ARMS = [('vpp', 'none'), ('vpp', 'warmup'), ('dp-no-align', 'warmup'), ('dp-no-overlap', 'warmup')]
 PRISTINE_RUNS = {
-    layout: call(2, bases.PRISTINE, S, argv=argv, tag=REF, timeout=240, **opts)
+    (driver, layout): call(
+        2, bases.PRISTINE, S, argv=argv, driver=driver, tag=REF, timeout=240, **opts
+    )
+    for driver in drivers_here()
     for layout, (argv, opts) in LAYOUTS.items()
 }
 FORK_RUNS = {
-    (layout, arm): call(
+    (driver, layout, arm): call(
         2,
         bases.FORK,
         S,
         argv=LAYOUTS[layout][0] + (WARMUP if arm == 'warmup' else []),
+        driver=driver,
         tag=REF,
         timeout=240,
         **LAYOUTS[layout][1],
     )
+    for driver in drivers_here()
     for layout, arm in ARMS
 }
+DRIVERS = driver_params()
 
 
 _ok = results_of
@@ -64,9 +71,11 @@ def _steps(res, kind):
     return [step['installed'] for step in res['steps'] if step['kind'] == kind]
 
 
+@pytest.mark.parametrize('driver', DRIVERS)
 @pytest.mark.parametrize('layout,arm', ARMS)
-def test_train_installs_what_pristine_train_installs(layout, arm):
-    pristine, fork = _ok(PRISTINE_RUNS[layout]), _ok(FORK_RUNS[(layout, arm)])
+def test_train_installs_what_pristine_train_installs(layout, arm, driver):
+    pristine = _ok(PRISTINE_RUNS[(driver, layout)])
+    fork = _ok(FORK_RUNS[(driver, layout, arm)])
     for rank, (p, f) in enumerate(zip(pristine, fork)):
         assert _steps(p, 'warmup') == []
         assert len(_steps(p, 'real')) == ITERS, f'rank {rank}'
@@ -78,21 +87,24 @@ def test_train_installs_what_pristine_train_installs(layout, arm):
         assert warmup == _steps(p, 'real')[: len(warmup)], f'rank {rank}: warmup steps'
 
 
+@pytest.mark.parametrize('driver', DRIVERS)
 @pytest.mark.parametrize('layout', list(LAYOUTS))
-def test_fork_without_the_flag_trains_as_pristine(layout):
+def test_fork_without_the_flag_trains_as_pristine(layout, driver):
     """The same losses at every real step (the record above is of a run that trained)."""
-    arm = 'none' if (layout, 'none') in FORK_RUNS else 'warmup'
-    pristine, fork = _ok(PRISTINE_RUNS[layout]), _ok(FORK_RUNS[(layout, arm)])
+    arm = 'none' if (layout, 'none') in ARMS else 'warmup'
+    pristine = _ok(PRISTINE_RUNS[(driver, layout)])
+    fork = _ok(FORK_RUNS[(driver, layout, arm)])
     for rank, (p, f) in enumerate(zip(pristine, fork)):
         losses = [step['loss'] for step in p['steps'] if step['kind'] == 'real']
         assert [step['loss'] for step in f['steps'] if step['kind'] == 'real'] == losses, rank
 
 
-def test_the_layouts_cover_each_callback():
+@pytest.mark.parametrize('driver', DRIVERS)
+def test_the_layouts_cover_each_callback(driver):
     """What pristine train() installs differs between the layouts where a break would show."""
-    vpp = _ok(PRISTINE_RUNS['vpp'])[0]['steps']
-    no_align = _ok(PRISTINE_RUNS['dp-no-align'])[0]['steps']
-    no_overlap = _ok(PRISTINE_RUNS['dp-no-overlap'])[0]['steps']
+    vpp = _ok(PRISTINE_RUNS[(driver, 'vpp')])[0]['steps']
+    no_align = _ok(PRISTINE_RUNS[(driver, 'dp-no-align')])[0]['steps']
+    no_overlap = _ok(PRISTINE_RUNS[(driver, 'dp-no-overlap')])[0]['steps']
     first, second = vpp[0]['installed'], vpp[1]['installed']
     assert first['grad_scale_func'] == 'optimizer.scale_loss'
     # align_param_gather: held back for the first step, put back with the pre-hooks.

@@ -28,7 +28,7 @@ dev) the MTP per-token loss sums were left as the warmup steps made them.
 import pytest
 
 from tests.harness import bases, call
-from tests.scenarios.pretrain import tiny_gpt_args
+from tests.scenarios.pretrain import driver_params, drivers_here, tiny_gpt_args
 from tests.scenarios.warmup_observed import results_of
 
 S = 'tests.scenarios.warmup_observed:scenario_observe'
@@ -60,31 +60,39 @@ LAYOUTS = {
     'packed': (tiny_gpt_args(2, ITERS), {'packed_stats': True}),
 }
 RUNS = {
-    (layout, arm): call(
+    (driver, layout, arm): call(
         2,
         bases.FORK,
         S,
         argv=argv + (WARMUP if arm == 'warmup' else []),
+        driver=driver,
         tag=REF,
         timeout=240,
         **opts,
     )
+    for driver in drivers_here()
     for layout, (argv, opts) in LAYOUTS.items()
     for arm in ('none', 'warmup')
 }
 
 
-def _ok(layout, arm):
-    return results_of(RUNS[(layout, arm)])
+@pytest.fixture(params=driver_params())
+def driver(request):
+    """The GPT entry point: the project's driver, and upstream's in the megatron-lm tier."""
+    return request.param
+
+
+def _ok(layout, arm, driver):
+    return results_of(RUNS[(driver, layout, arm)])
 
 
 def _steps(res, kind):
     return [step for step in res['steps'] if step['kind'] == kind]
 
 
-def test_warmup_steps_train_as_real_steps():
+def test_warmup_steps_train_as_real_steps(driver):
     """Warmup step k on batch k gives real step k's loss (no warmup, same batches), bitwise."""
-    for rank, (none, warm) in enumerate(zip(_ok('opg', 'none'), _ok('opg', 'warmup'))):
+    for rank, (none, warm) in enumerate(zip(_ok('opg', 'none', driver), _ok('opg', 'warmup', driver))):
         real = [step['loss'] for step in _steps(none, 'real')]
         warmup = [step['loss'] for step in _steps(warm, 'warmup')]
         assert len(real) == ITERS and len(warmup) == 2, f'rank {rank}'
@@ -98,9 +106,9 @@ def test_warmup_steps_train_as_real_steps():
         assert float.fromhex(none['iterations'][0]['lr'][0]) > 0, f'rank {rank}'
 
 
-def _printed(key):
+def _printed(key, driver):
     """{iteration: printed value of key} without and with warmup (the last rank prints)."""
-    none, warm = _ok('moe', 'none')[-1], _ok('moe', 'warmup')[-1]
+    none, warm = _ok('moe', 'none', driver)[-1], _ok('moe', 'warmup', driver)[-1]
     out = []
     for res in (none, warm):
         printed = {int(k): v for k, v in res['printed'].items()}
@@ -111,21 +119,21 @@ def _printed(key):
 
 
 @pytest.mark.parametrize('key', ['lm loss', 'load_balancing_loss'])
-def test_first_real_iterations_log_no_warmup_losses(key):
+def test_first_real_iterations_log_no_warmup_losses(key, driver):
     """training_log prints the no-warmup run's loss and MoE aux loss from iteration 1 on."""
-    none, warm = _printed(key)
+    none, warm = _printed(key, driver)
     assert warm == none
 
 
-def test_first_real_iteration_logs_no_warmup_mtp_loss():
+def test_first_real_iteration_logs_no_warmup_mtp_loss(driver):
     """training_log prints the no-warmup run's MTP loss from iteration 1 on."""
-    none, warm = _printed('mtp_1 loss')
+    none, warm = _printed('mtp_1 loss', driver)
     assert warm == none
 
 
-def test_router_buffers_after_each_real_step_as_without_warmup():
+def test_router_buffers_after_each_real_step_as_without_warmup(driver):
     """expert_bias (updated by finalize_model_grads) and the tokens-per-expert counts."""
-    for rank, (none, warm) in enumerate(zip(_ok('moe', 'none'), _ok('moe', 'warmup'))):
+    for rank, (none, warm) in enumerate(zip(_ok('moe', 'none', driver), _ok('moe', 'warmup', driver))):
         real = [step['buffers'] for step in _steps(none, 'real')]
         assert any('expert_bias' in name for name in real[0]), f'rank {rank}'
         # The expert bias moves during training: the comparison is not of constants.
@@ -138,9 +146,9 @@ def test_router_buffers_after_each_real_step_as_without_warmup():
         ], f'rank {rank}'
 
 
-def test_rerun_state_machine_as_without_warmup():
+def test_rerun_state_machine_as_without_warmup(driver):
     """The spiky-loss baseline (saved in checkpoints) and the first-iteration flag."""
-    for rank, (none, warm) in enumerate(zip(_ok('moe', 'none'), _ok('moe', 'warmup'))):
+    for rank, (none, warm) in enumerate(zip(_ok('moe', 'none', driver), _ok('moe', 'warmup', driver))):
         assert none['rerun']['large_value_counts'], f'rank {rank}'  # --check-for-spiky-loss ran
         # Upstream validates no result of the first iteration (no checkpoint to rerun from yet).
         first = _steps(none, 'real')[0]['rerun_before']
@@ -149,10 +157,10 @@ def test_rerun_state_machine_as_without_warmup():
         assert warm['rerun'] == none['rerun'], f'rank {rank}'
 
 
-def test_flops_counted_per_iteration_as_without_warmup():
+def test_flops_counted_per_iteration_as_without_warmup(driver):
     """A forward step that accounts packed sequences (as pretrain_gpt's does for THD batches):
     train() counts every iteration's FLOPs (and from them num_floating_point_operations_so_far,
     saved in checkpoints, and the logged throughput) as without warmup."""
-    for rank, (none, warm) in enumerate(zip(_ok('packed', 'none'), _ok('packed', 'warmup'))):
+    for rank, (none, warm) in enumerate(zip(_ok('packed', 'none', driver), _ok('packed', 'warmup', driver))):
         assert len(none['flops']) >= ITERS, f'rank {rank}'
         assert warm['flops'] == none['flops'], f'rank {rank}'

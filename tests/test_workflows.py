@@ -9,10 +9,9 @@ import json
 import os
 import re
 
+import jsonschema
 import pytest
-
-yaml = pytest.importorskip('yaml')
-jsonschema = pytest.importorskip('jsonschema')
+import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKFLOWS = os.path.join(REPO, '.github', 'workflows')

@@ -3,7 +3,10 @@
 #   tools/test.sh                  CI plan: the whole suite on the default base (the newest
 #                                  release), then the counterfactual files on every other
 #                                  maintained release, then (if FORK_TEST_DEV_REPO names a
-#                                  Megatron-LM checkout) the counterfactual files on dev
+#                                  Megatron-LM checkout) the counterfactual files on dev, then
+#                                  the counterfactual files on the default base once more with
+#                                  ATEN_CPU_CAPABILITY=default (torch's plain kernels round as
+#                                  another CPU would); last, the skips of all runs per tier
 #   tools/test.sh [pytest args...] only pytest with these args, on FORK_TEST_BASE (default: the
 #                                  default base)
 # Exit status: pytest's (the first failing run's), except that "no tests collected" (pytest's 5)
@@ -23,6 +26,10 @@ counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_wa
   tests/test_layer_wise_param_norm.py tests/test_expert_gtp_grads.py tests/test_train_loop_hooks.py
   tests/test_warmup_observed.py)
 # (test_expert_gtp_grads.py skips itself on bases without generalized TP: dev and 0.18.2.)
+# Every skip names an optional tier (tests/harness/tiers.py); the runs append theirs here.
+skip_log=$(mktemp)
+trap 'rm -f "$skip_log"' EXIT
+export FORK_TEST_SKIP_LOG="$skip_log"
 
 run() {  # run BASE pytest-args...: one pytest run on one base, with its wall time
   local base=$1 t0 rc
@@ -54,6 +61,16 @@ else
   else
     echo "(dev tier skipped: set FORK_TEST_DEV_REPO to a Megatron-LM checkout to run it)"
   fi
+  echo "==> ATEN_CPU_CAPABILITY=default (native here: $($py -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'))"
+  ATEN_CPU_CAPABILITY=default run "$default" "${counterfactual[@]}" \
+    || { rc=$?; [ "$status" = 0 ] && status=$rc; }
 fi
+$py - "$skip_log" <<'PY'
+import collections, json, sys
+total = collections.Counter()
+for line in open(sys.argv[1], encoding='utf-8'):
+    total.update(json.loads(line)['skips'])
+print('skips by optional tier, all runs:', ', '.join(f'{t} {n}' for t, n in sorted(total.items())) or 'none')
+PY
 echo "CPU suite wall time: $(( $(date +%s) - start )) s"
 exit "$status"

@@ -15,7 +15,7 @@ import json
 import os
 import threading
 
-from tests.harness import launcher
+from tests.harness import launcher, tiers
 
 _LOCK = threading.Lock()
 _PENDING = {}  # (world_size, tree) -> [Call] not yet run
@@ -65,7 +65,7 @@ def skip_reason(world_size):
     if launcher.backend() == 'nccl':
         n = launcher.gpu_count()
         if world_size > n:
-            return f'FORK_TEST_BACKEND=nccl: world_size {world_size} > {n} visible GPUs'
+            return tiers.reason('nccl', f'world_size {world_size} > {n} visible GPUs')
     return None
 
 

@@ -1,20 +1,24 @@
-"""Scenarios that run upstream's own ``pretrain_gpt.py`` through the real ``pretrain()``.
+"""Scenarios that train a GPT through the real ``megatron.training.pretrain()``.
 
-``pretrain_gpt.py``, ``model_provider.py`` and ``gpt_builders.py`` are read at test time from a
-Megatron-LM checkout or bare mirror at the tag of the pinned base (``core_v0.18.2``); they are never
-committed here. The mirror is ``$FORK_MEGATRON_LM`` (a work tree or a bare repository), by default
-``/work/.mirror/NVIDIA+Megatron-LM/repo``.
+Two entry points (``driver``), both run unmodified as ``__main__`` inside a harness world (CPU
+ranks with gloo or GPUs with NCCL):
 
-The script runs unmodified, as ``__main__``, inside a harness world (CPU ranks with gloo or GPUs
-with NCCL). What the scenario adds around it, all test-only and each listed in
+- ``'tiny_gpt'`` (default): the project's own ``tests/driver/pretrain_tiny_gpt.py``, written from
+  ``megatron.core``'s public API. It needs nothing but the installed tree, so the pretrain-level
+  tests run on any machine.
+- ``'pretrain_gpt'``: upstream's own ``pretrain_gpt.py`` with ``model_provider.py`` and
+  ``gpt_builders.py``, read at test time from the Megatron-LM clone that ``FORK_MEGATRON_LM`` names
+  (a work tree or a bare repository), at the ref of the selected base; never committed here. The
+  optional ``megatron-lm`` tier (tests/harness/tiers.py): without the variable those tests skip.
+
+What the scenario adds around either script, all test-only and each listed in
 tests/harness/README.md:
 
 - ``initialize_megatron(allow_no_cuda=True)`` on CPU ranks (upstream's own CPU switch; pretrain()
   passes nothing, so ``assert torch.cuda.is_available()`` would stop it first).
 - ``compile_helpers()``: upstream runs ``make`` in ``megatron/core/datasets``, which has no Makefile
-  in the 0.18.2 wheel nor in the materialized tree. The scenario compiles that tree's
-  ``helpers.cpp`` once into ``build/helpers-cache/`` and registers it as
-  ``megatron.core.datasets.helpers_cpp``.
+  in the wheels nor in the materialized tree. The scenario compiles that tree's ``helpers.cpp``
+  once into ``build/helpers-cache/`` and registers it as ``megatron.core.datasets.helpers_cpp``.
 - Recorders: ``training.training_log`` and ``training.train`` are wrapped (the originals run)
   to record every real iteration's losses, grad norm, learning rate and loss scale bitwise, and
   a digest of the model and optimizer after the last iteration. ``warmup.run_warmup`` is wrapped
@@ -39,34 +43,58 @@ import torch
 
 from tests.scenarios.common import import_with_real_cuda, patched
 
-MIRROR_DEFAULT = '/work/.mirror/NVIDIA+Megatron-LM/repo'
-UPSTREAM_TAG = 'core_v0.18.2'
-SCRIPT_FILES = ('pretrain_gpt.py', 'model_provider.py', 'gpt_builders.py')
+DRIVERS = ('tiny_gpt', 'pretrain_gpt')
+UPSTREAM_FILES = ('pretrain_gpt.py', 'model_provider.py', 'gpt_builders.py')
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_GPT = os.path.join(REPO, 'tests', 'driver', 'pretrain_tiny_gpt.py')
 
 
-def mirror_path():
-    """The Megatron-LM checkout or bare mirror the scripts are read from."""
-    return os.environ.get('FORK_MEGATRON_LM', MIRROR_DEFAULT)
+def driver_script_name(driver):
+    """The file name argparse reports as the program (``prog``) of ``driver``."""
+    return 'pretrain_tiny_gpt.py' if driver == 'tiny_gpt' else 'pretrain_gpt.py'
 
 
-def read_upstream_file(path, ref=UPSTREAM_TAG):
-    """Text of ``path`` at ``ref`` in the Megatron-LM mirror (``git show``).
+def driver_params():
+    """The drivers as pytest params: upstream's skips in the 'megatron-lm' tier without a clone."""
+    import pytest
 
-    Args:
-        path: file path inside Megatron-LM.
-        ref: tag, branch or commit.
+    from tests.harness import tiers
 
-    Returns:
-        The file text, or None when the mirror or the file is missing.
+    return [
+        pytest.param('tiny_gpt', id='tiny_gpt'),
+        pytest.param(
+            'pretrain_gpt',
+            id='pretrain_gpt',
+            marks=tiers.skipif(
+                not os.environ.get('FORK_MEGATRON_LM'),
+                'megatron-lm',
+                "upstream's pretrain_gpt.py: FORK_MEGATRON_LM is not set",
+            ),
+        ),
+    ]
+
+
+def drivers_here():
+    """The drivers this machine can run (the registered calls of a test module)."""
+    return DRIVERS if os.environ.get('FORK_MEGATRON_LM') else DRIVERS[:1]
+
+
+def read_upstream_file(path, ref):
+    """Text of ``path`` at ``ref`` in the Megatron-LM clone of ``FORK_MEGATRON_LM``.
+
+    Raises:
+        RuntimeError: naming the clone and the file when either is missing.
     """
-    mirror = mirror_path()
-    if not os.path.isdir(mirror):
-        return None
-    proc = subprocess.run(
-        ['git', '-C', mirror, 'show', f'{ref}:{path}'], capture_output=True, text=True
-    )
-    return proc.stdout if proc.returncode == 0 else None
+    clone = os.environ.get('FORK_MEGATRON_LM')
+    if not clone:
+        raise RuntimeError('FORK_MEGATRON_LM is not set (the megatron-lm tier needs a clone)')
+    proc = subprocess.run(['git', '-C', clone, 'show', f'{ref}:{path}'], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f'FORK_MEGATRON_LM={clone} has no {path} at {ref}: fetch that ref there '
+            f'({proc.stderr.strip()})'
+        )
+    return proc.stdout
 
 
 def tiny_gpt_args(world_size, train_iters=4, dtype='bf16', distopt=True, overlap=True):
@@ -312,27 +340,33 @@ class _Tee(io.TextIOBase):
 # Scenario.
 
 
-def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
-    """Run upstream's pretrain_gpt.py (from the mirror) with ``argv``; report what it did.
+def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
+    """Run the ``driver``'s GPT script with ``argv`` through pretrain(); report what it did.
 
     Args:
         argv: command-line arguments after the script name.
-        tag: Megatron-LM ref the scripts are read from.
+        driver: 'tiny_gpt' (tests/driver/pretrain_tiny_gpt.py) or 'pretrain_gpt' (upstream's,
+            from FORK_MEGATRON_LM at ``tag``).
+        tag: Megatron-LM ref upstream's scripts are read from (default: the base's own).
 
     Returns:
         {'exit': SystemExit code or None, 'argparse_error': last 'error:' line on stderr,
         'iterations': [per real iteration: losses/lr/loss_scale/grad_norm as float hex],
         'final_model'/'final_optimizer': digests after train(), 'warmup_calls': [num_steps],
-        'warmup_log': the '[warmup]' stdout lines}.
+        'warmup_log': the '[warmup]' stdout lines, 'printed_loss': {iteration: lm loss}}.
     """
-    workdir = tempfile.mkdtemp(prefix=f'pretrain-gpt-r{ctx.rank}-')
-    for name in SCRIPT_FILES:
-        text = read_upstream_file(name, tag)
-        if text is None:
-            return {'missing': f'{name} at {tag} in {mirror_path()}'}
-        with open(os.path.join(workdir, name), 'w') as f:
-            f.write(text)
-    script = os.path.join(workdir, 'pretrain_gpt.py')
+    if driver == 'tiny_gpt':
+        workdir, script = None, TINY_GPT
+    elif driver == 'pretrain_gpt':
+        from tests.harness import bases
+
+        workdir = tempfile.mkdtemp(prefix=f'pretrain-gpt-r{ctx.rank}-')
+        for name in UPSTREAM_FILES:
+            with open(os.path.join(workdir, name), 'w') as f:
+                f.write(read_upstream_file(name, tag or bases.upstream_ref()))
+        script = os.path.join(workdir, 'pretrain_gpt.py')
+    else:
+        raise ValueError(f'unknown driver {driver!r}; known: {", ".join(DRIVERS)}')
 
     # What torchrun would export; pretrain_gpt.py reads RANK, the arguments the rest.
     os.environ.update(
@@ -367,7 +401,7 @@ def scenario_pretrain_gpt(ctx, argv, tag=UPSTREAM_TAG):
     stdout, stderr = io.StringIO(), io.StringIO()
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script] + list(argv)
-    sys.path.insert(0, workdir)
+    sys.path.insert(0, workdir or os.path.dirname(script))
     try:
         with contextlib.ExitStack() as stack:
             if on_cpu:

@@ -1,7 +1,7 @@
 """What train() does with and without ``--warmup-train-steps``, observed from outside.
 
-Runs upstream's own ``pretrain_gpt.py`` through the real ``pretrain()`` and ``train()``
-(tests/scenarios/pretrain.py's scenario_pretrain_gpt) and records, without touching any helper of
+Runs a GPT entry point (the project's driver, or upstream's ``pretrain_gpt.py``) through the real
+``pretrain()`` and ``train()`` (tests/scenarios/pretrain.py's scenario_pretrain_gpt) and records, without touching any helper of
 megatron/training/warmup.py:
 
 - at every ``train_step`` call (warmup steps and real steps, told apart by the warmup having
@@ -229,7 +229,9 @@ def _observers(out, finalize_hook, batches, packed_stats):
         yield
 
 
-def scenario_observe(ctx, argv, tag, finalize_hook=False, batches=False, packed_stats=False):
+def scenario_observe(
+    ctx, argv, driver='tiny_gpt', tag=None, finalize_hook=False, batches=False, packed_stats=False
+):
     """Run pretrain_gpt.py with ``argv`` and report what train() installed and did (see above).
 
     Returns:
@@ -242,28 +244,22 @@ def scenario_observe(ctx, argv, tag, finalize_hook=False, batches=False, packed_
     out = {'steps': [], 'flops': []}
     text = io.StringIO()
     with _observers(out, finalize_hook, batches, packed_stats), contextlib.redirect_stdout(text):
-        res = scenario_pretrain_gpt(ctx, argv, tag=tag)
+        res = scenario_pretrain_gpt(ctx, argv, driver=driver, tag=tag)
     out.update(
         exit=res.get('exit'),
-        missing=res.get('missing'),
         argparse_error=res.get('argparse_error'),
         iterations=res.get('iterations'),
         warmup_calls=res.get('warmup_calls'),
         printed=_printed(text.getvalue()),
     )
-    if res.get('missing'):
-        out['missing'] = res['missing']
     return out
 
 
 def results_of(handle):
-    """Every rank's result of a launched world; skip when the Megatron-LM script is missing."""
-    import pytest
+    """Every rank's result of a launched world, each checked for an error and its exit status."""
 
     per_rank = handle.result()
     for rank, res in enumerate(per_rank):
-        if res.get('missing'):
-            pytest.skip(f'Megatron-LM script not available: {res["missing"]}')
         assert 'error' not in res, f'rank {rank}: {res["error"]}'
         assert res['exit'] in (None, 0), f'rank {rank}: exit {res["exit"]}'
     return per_rank
