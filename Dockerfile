@@ -26,7 +26,10 @@ ARG ROCM_BASE_IMAGE=rocm/pytorch:rocm7.2.4_ubuntu24.04_py3.12_pytorch_release_2.
 # rocm/pytorch ships no Transformer Engine, so the ROCm target builds it from a pinned commit of
 # ROCm/TransformerEngine (the commit of the 2.15.0.dev0 nightly wheel, local label ...a07e607).
 # --no-build-isolation and --no-deps keep the image's torch: nothing here may reinstall it.
+# --build-arg ROCM_TE=skip builds no TE (the stage then leaves /wheels/te empty and the rocm
+# stage installs none): for a stand-in base without ROCm or GitHub access, never for a real image.
 FROM ${ROCM_BASE_IMAGE} AS rocm-te
+ARG ROCM_TE=build
 ARG ROCM_TE_REPO=https://github.com/ROCm/TransformerEngine.git
 ARG ROCM_TE_COMMIT=a07e607f14a5330807ffdafeeb6224f2d7dffacc
 # gfx942 = MI300X/MI325X; add gfx950 (MI355X) as needed, separated by ';'.
@@ -38,12 +41,16 @@ ENV NVTE_FRAMEWORK=pytorch \
     NVTE_ROCM_ARCH=${NVTE_ROCM_ARCH} \
     MAX_JOBS=${MAX_JOBS}
 WORKDIR /src/TransformerEngine
-RUN git init -q . \
-    && git remote add origin "${ROCM_TE_REPO}" \
-    && git fetch -q --depth 1 origin "${ROCM_TE_COMMIT}" \
-    && git checkout -q FETCH_HEAD \
-    && git submodule update -q --init --recursive --depth 1 \
-    && python -m pip wheel --no-build-isolation --no-deps -w /wheels/te .
+RUN case "${ROCM_TE}" in \
+      build) git init -q . \
+        && git remote add origin "${ROCM_TE_REPO}" \
+        && git fetch -q --depth 1 origin "${ROCM_TE_COMMIT}" \
+        && git checkout -q FETCH_HEAD \
+        && git submodule update -q --init --recursive --depth 1 \
+        && python -m pip wheel --no-build-isolation --no-deps -w /wheels/te . ;; \
+      skip) mkdir -p /wheels/te ;; \
+      *) echo "ROCM_TE must be build or skip, not ${ROCM_TE}" >&2; exit 2 ;; \
+    esac
 
 # ---------------------------------------------------------------------------------------------
 FROM ${CUDA_BASE_IMAGE} AS cuda
@@ -64,14 +71,19 @@ RUN bash tools/install.sh --python python3 --no-venv --no-torch \
 
 # ---------------------------------------------------------------------------------------------
 FROM ${ROCM_BASE_IMAGE} AS rocm
+ARG ROCM_TE=build
 ARG UPSTREAM_WHEEL_DIR=.whl
 ARG OFFLINE=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 COPY --from=rocm-te /wheels/te /tmp/te-wheels
-RUN python -m pip install --no-deps --no-index /tmp/te-wheels/*.whl \
-    && rm -rf /tmp/te-wheels \
-    && python -c "import transformer_engine.pytorch"
+RUN if [ "${ROCM_TE}" = skip ]; then \
+      echo "ROCM_TE=skip: no Transformer Engine installed"; \
+    else \
+      python -m pip install --no-deps --no-index /tmp/te-wheels/*.whl \
+      && python -c "import transformer_engine.pytorch"; \
+    fi \
+    && rm -rf /tmp/te-wheels
 WORKDIR /opt/megatron-fork
 COPY . /opt/megatron-fork
 # Installed and smoke-tested as in the cuda stage (install.sh verifies with --import).

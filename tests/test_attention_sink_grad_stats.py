@@ -134,3 +134,55 @@ def test_pristine_layouts_wrong_exactly_where_tp_splits_heads(world):
         assert case['param_norm'] == pytest.approx(case[f'{key}_param_norm'], rel=REL), case
         assert case['zeros'] == case[f'{key}_zeros'], case
     assert any(c['layout'][0] > 1 and c['norm'] < 0.99 * c['oracle_norm'] for c in cases)
+
+
+# The layer as upstream builds it by default (perform_initialization=True: config.init_method
+# draws the offsets), TP 2: one real backward whose last head (on TP rank 1) gets a zero grad.
+INIT_VARIANTS = [('fp32', False), ('bf16', True)]
+INIT = {
+    (tree, dtype, distopt): call(
+        2, tree, f'{MOD}:scenario_initialized', tp=2, dtype=dtype, distopt=distopt
+    )
+    for tree in TREES
+    for dtype, distopt in INIT_VARIANTS
+}
+
+
+@pytest.mark.parametrize('tree', TREES)
+def test_initialized_offsets_statistics(tree):
+    fixed = tree == FORK
+    key = 'oracle' if fixed else 'tp0_only'
+    for dtype, distopt in INIT_VARIANTS:
+        per_rank = _ok(INIT[(tree, dtype, distopt)].result())
+        for res in per_rank:
+            assert res['ok']
+            assert res['tensor_model_parallel'] is (True if fixed else None)
+            # The init drew values (not the empty tensor's), and both ranks see the same logical
+            # offsets, the concatenation of the TP shards in TP-rank order.
+            assert res['init_offset'] == per_rank[0]['init_offset']
+            assert res['init_offset'] == per_rank[0]['local_offset'] + per_rank[1]['local_offset']
+            assert len(set(res['init_offset'])) > 1
+            # The layer's grads are right on every tree: against a plain-torch FP64 reference.
+            tol = 1e-5 if dtype == 'fp32' else 5e-3
+            assert res['offset_grad'] == pytest.approx(res['reference_offset_grad'], abs=tol)
+            assert res['offset_grad'][-1] == 0.0 and res['oracle_zeros'] == 1
+            # Fork: every TP rank's sinks counted; pristine: TP rank 0's only.
+            assert res['norm'] == pytest.approx(res[f'{key}_norm'], rel=REL), res
+            assert res['zeros'] == res[f'{key}_zeros'], res
+            assert res['param_norm'] == pytest.approx(res[f'{key}_param_norm'], rel=REL), res
+            if not fixed:
+                assert res['zeros'] == 0 and res['norm'] < res['oracle_norm'], res
+                assert res['param_norm'] < res['oracle_param_norm'], res
+
+
+def test_initialized_offsets_same_on_fork_and_pristine():
+    """The fix marks the parameter only: the drawn offsets and their grads are the same bits on
+    both trees. Every TP rank draws its shard from the default generator, seeded alike on all
+    ranks (not from the TP-rank RNG tracker the linear layers use), so the shards are equal."""
+    for dtype, distopt in INIT_VARIANTS:
+        fork = _ok(INIT[(FORK, dtype, distopt)].result())
+        for tree in (PRISTINE, PRISTINE_0_19):
+            for f, p in zip(fork, _ok(INIT[(tree, dtype, distopt)].result())):
+                assert f['init_offset'] == p['init_offset']
+                assert f['offset_grad'] == p['offset_grad']
+        assert fork[0]['local_offset'] == fork[1]['local_offset']

@@ -142,3 +142,72 @@ def test_correct_runs_unchanged(ws):
             assert f['error'] is None and p['error'] is None
             assert len(f['grad_norms']) == 3
             assert f['grad_norms'] == p['grad_norms']
+
+
+# One bucket group of two buckets (DDP disable_bucketing=True, fp32 and bf16 params: two buffers),
+# the silent params in the second bucket, and more of them than the message lists (8).
+WIDE = 'tests.scenarios.grad_ready_diagnostics:scenario_wide_group'
+WIDE_MODES = ['skip_later', 'undercount', 'none']
+WIDE_CALLS = {
+    (tree, mode): call(2, tree, WIDE, mode=mode)
+    for tree in (FORK, PRISTINE, PRISTINE_0_19)
+    for mode in WIDE_MODES
+}
+# mode -> (pristine message, section of the fork's message, the params it names)
+WIDE_EXPECTED = {
+    'skip_later': (
+        f'{NO_COMM} (4/16 params have grad available)',
+        '12 param(s) did not register a grad in this batch: ',
+        lambda name: name.startswith('net.branch.'),
+    ),
+    'undercount': (
+        f'{NO_COMM} (16/16 params have grad available)',
+        '16 param(s) registered fewer times than in the calibration batch (this batch of '
+        'calibrated): ',
+        lambda name: True,
+    ),
+}
+
+
+def _listing(res, selected, counts):
+    """The listing the fork's message must hold: the first 8 selected params in bucket order."""
+    order = [name for bucket in res['buckets'][0] for name in bucket]
+    named = [name for name in order if selected(name)]
+    items = [f'{name} {tuple(res["shapes"][name])}{counts}' for name in named[:8]]
+    if len(named) > 8:
+        items.append(f'... and {len(named) - 8} more')
+    return ', '.join(items)
+
+
+@pytest.mark.parametrize('tree', [PRISTINE, PRISTINE_0_19])
+def test_pristine_wide_group_error_is_opaque(tree):
+    for mode, (message, _, _) in WIDE_EXPECTED.items():
+        for res in WIDE_CALLS[(tree, mode)].result():
+            assert (res['error'], res['phase'], res['step']) == (message, 'forward_backward', 1)
+
+
+@pytest.mark.parametrize('mode', sorted(WIDE_EXPECTED))
+def test_fork_wide_group_names_the_second_bucket_first_eight(mode):
+    message, section, selected = WIDE_EXPECTED[mode]
+    counts = ' (1 of 2)' if mode == 'undercount' else ''
+    for rank, res in enumerate(WIDE_CALLS[(FORK, mode)].result()):
+        # The configuration: one bucket group of two buckets, the branch all in the second.
+        [[first, second]] = res['buckets']
+        assert {n.split('.')[1] for n in first} == {'fc1', 'head'}, first
+        assert len(second) == 12 and all(n.startswith('net.branch.') for n in second), second
+        assert (res['phase'], res['step']) == ('forward_backward', 1), res
+        error = res['error']
+        assert error.startswith(f'{message}. '), error
+        listing = _listing(res, selected, counts)
+        assert listing.endswith(', ... and 4 more' if mode == 'skip_later' else ', ... and 8 more')
+        assert f'On rank {rank}, {section}{listing}. Likely cause' in error, (listing, error)
+        assert error.count('param(s)') == 1, error
+
+
+def test_wide_group_correct_run_unchanged():
+    fork = WIDE_CALLS[(FORK, 'none')].result()
+    for tree in (PRISTINE, PRISTINE_0_19):
+        for f, p in zip(fork, WIDE_CALLS[(tree, 'none')].result()):
+            assert f['error'] is None and p['error'] is None
+            assert len(f['grad_norms']) == 2
+            assert f['grad_norms'] == p['grad_norms']

@@ -63,3 +63,46 @@ def test_pristine_right_without_overlap():
     for res in _results(bases.PRISTINE, 'legacy-no-overlap'):
         assert res['after'] == pytest.approx(res['expected_after'], rel=1e-6)
         assert res['stale'] == 0
+
+
+# QK-clip right after a LayerWise step with overlapped gather (bf16, two DP ranks, a real
+# two-layer TransformerBlock): on a rank that does not own a linear_qkv weight, pristine's
+# weight has no main_param attribute and the fork's has main_param None (this patch); QK-clip
+# must clip that rank's model weight on both trees, and the owner's main param, which the gather
+# then hands to every rank.
+QK = 'tests.scenarios.layer_wise_param_norm:scenario_qk_clip'
+QK_SETUPS = ['layout', 'legacy']
+QK_CALLS = {
+    (tree, setup): call(2, tree, QK, setup=setup)
+    for tree in (bases.FORK, bases.PRISTINE)
+    for setup in QK_SETUPS
+}
+
+
+def _qk_results(tree, setup):
+    per_rank = QK_CALLS[(tree, setup)].result()
+    for rank, res in enumerate(per_rank):
+        assert 'error' not in res, f'rank {rank}: {res["error"]}'
+    return per_rank
+
+
+@pytest.mark.parametrize('setup', QK_SETUPS)
+def test_qk_clip_after_overlapped_step(setup):
+    fork, pristine = _qk_results(bases.FORK, setup), _qk_results(bases.PRISTINE, setup)
+    for tree_results in (fork, pristine):
+        # Each layer's weight is owned by one rank: both ranks take the non-owner path once.
+        owners = [sum(res['owned'][layer] for res in tree_results) for layer in range(2)]
+        assert owners == [1, 1], owners
+        assert not all(tree_results[0]['owned']) and not all(tree_results[1]['owned'])
+        for res in tree_results:
+            assert res['max_logit'] == res['expected_max_logit']
+            # After the gather every rank holds the owner's clipped weight: the FP64 reference
+            # of step then clip, within bf16 rounding.
+            for got, ref in zip(res['gathered'], res['reference']):
+                assert got == pytest.approx(ref, rel=2**-7, abs=2**-9)
+            assert res['gathered'] == tree_results[0]['gathered']
+    # The fork's guard keeps pristine's behaviour bit for bit, on owners and non-owners.
+    for f, p in zip(fork, pristine):
+        assert f['owned'] == p['owned']
+        assert f['after_clip'] == p['after_clip']
+        assert f['gathered'] == p['gathered']

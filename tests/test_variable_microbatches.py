@@ -270,3 +270,83 @@ def test_property_random_sequences(world, part):
                     assert (fork['early'][i] == fork['groups']) == (steps[i] == steps[i - 1])
             checked += 1
     assert checked == world * COUNT * 2 * 2
+
+
+# --- two distributed-optimizer instances, world 4 (DP 4 = 2 instances x 2) -----------------
+# With num_distributed_optimizer_instances > 1 the reduce runs synchronously on a communication
+# stream (no handle) and finish_grad_sync skips upstream's "Communication call has not been
+# issued" check: pristine's early or missing reduces train silently on wrong grads there.
+
+INSTANCES = {
+    'fewer_instances': dict(steps=[4, 4, 2, 2], distopt=True, bucket_size=None, instances=2),
+    'calls_longer_instances': dict(
+        steps=[4, 4, [4, 2]], distopt=True, bucket_size=None, instances=2
+    ),
+}
+W4 = {
+    (tree, name): call(4, tree, S + 'scenario_sequence', **kw)
+    for tree in (FORK, PRISTINE)
+    for name, kw in INSTANCES.items()
+}
+
+
+def test_two_instances_fewer_microbatches():
+    """Step 2 has fewer microbatches: pristine never reduces it and raises nothing (wrong grads,
+    wrong params); the fork recalibrates once and matches the reference bitwise."""
+    for res in _ranks(W4[(PRISTINE, 'fewer_instances')]):
+        fork, ref = res['overlap'], res['reference']
+        assert 'error' not in fork and 'error' not in ref
+        assert fork['grads'][:2] == ref['grads'][:2]
+        assert fork['grads'][2] != ref['grads'][2] and fork['grads'][3] != ref['grads'][3]
+        assert min(fork['max_param_diff'][2:]) > 1e-4
+    for res in _ranks(W4[(FORK, 'fewer_instances')]):
+        _equal(res)
+        groups = res['overlap']['groups']
+        assert res['overlap']['early'] == [0, groups, 0, groups]
+
+
+def test_two_instances_call_after_the_reduce_was_dispatched():
+    """Without a handle to look at, the fork still sees the reduce already dispatched (the
+    counts reached the calibration's) and raises; pristine reduces without the second call."""
+    for res in _ranks(W4[(PRISTINE, 'calls_longer_instances')]):
+        fork, ref = res['overlap'], res['reference']
+        assert 'error' not in fork
+        assert fork['grads'][:2] == ref['grads'][:2] and fork['grads'][2] != ref['grads'][2]
+    for res in _ranks(W4[(FORK, 'calls_longer_instances')]):
+        fork = res['overlap']
+        assert fork['error'].startswith(IN_FLIGHT)
+        assert 'registers grads: [4]) matched the calibration batch ([4])' in fork['error']
+        assert fork['failed_step'] == 2
+        _equal(res, steps=2)
+
+
+# --- reset_grad_ready_calibration() (0001) inside a step of several calls, fork only --------
+
+RESETS = {
+    # The documented use: before the step's first call. The step recalibrates, the next overlaps.
+    'reset_before_first_call': dict(steps=[[2, 2]] * 4, reset_at=[[2, 0]]),
+    # Between the two calls of step 2: the new calibration holds the second call only.
+    'reset_between_calls': dict(steps=[[2, 2]] * 4, reset_at=[[2, 1]]),
+}
+W2_RESETS = {name: call(2, FORK, S + 'scenario_sequence', **kw) for name, kw in RESETS.items()}
+
+
+def test_reset_before_the_first_call_of_a_multi_call_step():
+    for res in _ranks(W2_RESETS['reset_before_first_call']):
+        _equal(res)
+        groups = res['overlap']['groups']
+        assert res['overlap']['early'] == [0, groups, 0, groups]
+
+
+def test_reset_between_two_calls_of_a_step():
+    """The step of the reset trains right (its reduce waits for finish_grad_sync); it calibrates
+    on the calls after the reset ([2], not [2, 2]), so the next [2, 2] step dispatches after its
+    first call and its second call raises, naming that calibration, before touching a grad."""
+    for res in _ranks(W2_RESETS['reset_between_calls']):
+        fork = res['overlap']
+        assert fork['failed_step'] == 3, fork.get('error')
+        assert fork['error'].startswith(IN_FLIGHT)
+        assert 'registers grads: [2]) matched the calibration batch ([2])' in fork['error']
+        _equal(res, steps=3)
+        groups = fork['groups']
+        assert fork['early'] == [0, groups, 0]

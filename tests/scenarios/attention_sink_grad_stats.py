@@ -33,7 +33,7 @@ SEQ, BATCH = 5, 2
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 
 
-def _config(tp, dtype):
+def _config(tp, dtype, perform_initialization=False):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -47,7 +47,7 @@ def _config(tp, dtype):
         masked_softmax_fusion=False,
         bf16=dtype == 'bf16',
         params_dtype=DTYPES[dtype],
-        perform_initialization=False,
+        perform_initialization=perform_initialization,
     )
 
 
@@ -77,8 +77,18 @@ def _model(ctx, config, expert):
     return _SinkModel()
 
 
-def _build(ctx, tp, dtype, distopt, expert=False, optimizer='adam', clip_grad=0.0, lr=0.0):
-    config = _config(tp, dtype)
+def _build(
+    ctx,
+    tp,
+    dtype,
+    distopt,
+    expert=False,
+    optimizer='adam',
+    clip_grad=0.0,
+    lr=0.0,
+    perform_initialization=False,
+):
+    config = _config(tp, dtype, perform_initialization)
     model, optimizer = ddp_and_optimizer(
         config,
         _model(ctx, config, expert),
@@ -199,7 +209,6 @@ def scenario_backward_clip(ctx, tp, dtype, distopt, seed=7, clip_grad=1e-3):
       must equal ``clip_grad`` when the true norm exceeds it.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     tp_rank, tp_size = _tp_coords()
@@ -224,9 +233,33 @@ def scenario_backward_clip(ctx, tp, dtype, distopt, seed=7, clip_grad=1e-3):
     optimizer.reload_model_params()
     before = _logical_params(model, optimizer, ctx)
 
+    _forward_backward(ctx, model, optimizer, (q, k, v, weight, coeff), heads, dt)
+    assert model.module.attn.softmax_offset.main_grad.numel() == HEADS // tp_size
+    local_grad = model.module.attn.softmax_offset.main_grad.detach().double().cpu()
+    offset_grad = _gather_tp(local_grad, ctx)
+    dense_grad = model.module.dense.main_grad.detach().double().cpu()
+    oracle_norm = math.sqrt(float(offset_grad.pow(2).sum() + dense_grad.pow(2).sum()))
+    ok, norm, zeros = optimizer.step()
+    after = _logical_params(model, optimizer, ctx)
+    update = torch.cat([a - b for a, b in zip(after, before)])
+    return {
+        'ok': bool(ok),
+        'norm': float(norm),
+        'oracle_norm': oracle_norm,
+        'offset_grad': offset_grad.tolist(),
+        'reference_offset_grad': _reference_offset_grad(q, k, v, weight, offset).tolist(),
+        'update_norm': float(update.norm()) if sgd else None,
+        'clip_grad': clip_grad,
+    }
+
+
+def _forward_backward(ctx, model, optimizer, inputs, heads, dt):
+    """One real forward/backward of this TP rank's heads of the logical inputs, grads synced."""
+    from megatron.core import tensor_parallel
+
+    q, k, v, weight, coeff = inputs
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    per = HEADS // tp_size
     # Attention dropout is 0; its CUDA RNG fork has no state on CPU ranks, so it is skipped here.
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
@@ -243,22 +276,62 @@ def scenario_backward_clip(ctx, tp, dtype, distopt, seed=7, clip_grad=1e-3):
         del tracker.fork
     loss.backward()
     model.finish_grad_sync()
-    assert model.module.attn.softmax_offset.main_grad.numel() == per
-    local_grad = model.module.attn.softmax_offset.main_grad.detach().double().cpu()
-    offset_grad = _gather_tp(local_grad, ctx)
+
+
+def scenario_initialized(ctx, tp, dtype, distopt, seed=11):
+    """The layer as built with perform_initialization=True (the default; the other scenarios
+    set the values themselves), one real backward and an Adam step of lr 0.
+
+    The output weight of the last head is zero, so that head's offset grad is exactly zero (it
+    sits on the last TP rank): the zero count sees it only when that rank's sink is counted.
+
+    Returns the TP-gathered initial offset ('init_offset', and this rank's 'local_offset'), the
+    optimizer's grad norm and zero count, megatron.training's param norm, and FP64 oracles of
+    each over the logical params and grads ('oracle_*') and over TP rank 0's heads only
+    ('tp0_only_*', what a statistic that skips the other TP ranks' sinks reports).
+    """
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tp_rank, tp_size = _tp_coords()
+    torch.manual_seed(seed)
+    _, model, optimizer = _build(ctx, tp, dtype, distopt, perform_initialization=True)
+    offset = model.module.attn.softmax_offset
+    local_init = offset.detach().double().cpu()
+    init_offset = _gather_tp(local_init, ctx)
+
+    q, k, v, weight, coeff, _ = _inputs(seed)
+    weight.view(SEQ, BATCH, HEADS, HEAD_DIM)[:, :, -1] = 0.0
+    heads = _heads(tp_rank, tp_size)
+    _forward_backward(ctx, model, optimizer, (q, k, v, weight, coeff), heads, DTYPES[dtype])
+    offset_grad = _gather_tp(offset.main_grad.detach().double().cpu(), ctx)
     dense_grad = model.module.dense.main_grad.detach().double().cpu()
-    oracle_norm = math.sqrt(float(offset_grad.pow(2).sum() + dense_grad.pow(2).sum()))
     ok, norm, zeros = optimizer.step()
-    after = _logical_params(model, optimizer, ctx)
-    update = torch.cat([a - b for a, b in zip(after, before)])
+    params = {
+        'offset': _gather_tp(offset.detach().double().cpu(), ctx),
+        'dense': model.module.dense.detach().double().cpu(),
+    }
+    grads = {'offset': offset_grad, 'dense': dense_grad}
+    tp0 = _heads(0, tp_size)
+    grads_tp0 = dict(grads, offset=offset_grad[tp0])
+    params_tp0 = torch.cat([params['offset'][tp0], params['dense']])
     return {
         'ok': bool(ok),
+        'tensor_model_parallel': getattr(offset, 'tensor_model_parallel', None),
+        'local_offset': local_init.tolist(),
+        'init_offset': init_offset.tolist(),
         'norm': float(norm),
-        'oracle_norm': oracle_norm,
+        'zeros': int(zeros),
+        'param_norm': _param_norm(model, dtype),
+        **oracle(grads),
+        'tp0_only_norm': oracle(grads_tp0)['oracle_norm'],
+        'tp0_only_zeros': oracle(grads_tp0)['oracle_zeros'],
+        'oracle_param_norm': float(torch.cat(list(params.values())).norm()),
+        'tp0_only_param_norm': float(params_tp0.norm()),
         'offset_grad': offset_grad.tolist(),
-        'reference_offset_grad': _reference_offset_grad(q, k, v, weight, offset).tolist(),
-        'update_norm': float(update.norm()) if sgd else None,
-        'clip_grad': clip_grad,
+        'reference_offset_grad': _reference_offset_grad(
+            q, k, v, weight, init_offset.to(DTYPES[dtype]).double()
+        ).tolist(),
     }
 
 

@@ -170,3 +170,123 @@ def scenario_missing_grad(
             break
         out['grad_norms'].append(float(grad_norm))
     return out
+
+
+# A bucket group of several buckets: DDP with disable_bucketing=True puts every bucket of every
+# buffer into one bucket group (partition_buckets, case 1), and a model whose params have two
+# dtypes has two buffers (grouped by param dtype), so that group holds two buckets: the fp32 one
+# (fc1, head: the first param's dtype comes first) and the bf16 one (the branch). The branch has
+# more params than the message lists (grad_ready_diagnostics._MAX_LISTED).
+WIDE_BRANCH_LAYERS = 6
+
+
+class _WideNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(HIDDEN, FFN)
+        self.branch = torch.nn.ModuleList(
+            torch.nn.Linear(FFN, FFN) for _ in range(WIDE_BRANCH_LAYERS)
+        ).to(torch.bfloat16)
+        self.head = torch.nn.Linear(FFN, OUT)
+        self.use_branch = True
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.use_branch:
+            b = h.to(torch.bfloat16)
+            for layer in self.branch:
+                b = torch.tanh(layer(b))
+            h = h + b.float()
+        return self.head(h)
+
+
+def scenario_wide_group(ctx, mode, steps=2, microbatches=2):
+    """A bucket group of two buckets (fp32, bf16), silent params in the second one.
+
+    Args:
+        mode: 'skip_later' (the branch's 12 params stop reporting from step 1), 'undercount'
+            (calibration step with a no-op no_sync_func, as in scenario_missing_grad) or 'none'.
+        steps: training steps.
+        microbatches: microbatches per step.
+
+    Returns:
+        dict: as scenario_missing_grad, with 'buckets' (per bucket group, per bucket: the param
+        names in the bucket's order, the order the message lists them in) and 'shapes' (per
+        param name).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import MegatronModule
+
+    parallel_state.initialize_model_parallel()
+    config = make_config('fp32')
+
+    class _Model(MegatronModule):
+        def __init__(self):
+            super().__init__(config=config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.net = _WideNet()
+
+        def set_input_tensor(self, input_tensor):
+            pass
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(1234)
+    model = _Model().to(ctx.device)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=None
+    )
+    ddp = DistributedDataParallel(
+        config=config, ddp_config=ddp_config, module=model, disable_bucketing=True
+    )
+    optimizer = build_optimizer(ddp, dtype='fp32', distopt=True)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = None
+
+    names = {p: n for n, p in model.named_parameters()}
+    out = {'error': None, 'phase': None, 'step': None, 'grad_norms': []}
+    out['buckets'] = [
+        [[names[p] for p in bucket.params_list] for bucket in group.buckets]
+        for group in _groups(ddp)
+    ]
+    out['shapes'] = {n: list(p.shape) for n, p in model.named_parameters()}
+    dp_rank = parallel_state.get_data_parallel_rank()
+    if mode == 'undercount':
+        config.no_sync_func = contextlib.nullcontext
+    for step in range(steps):
+        if step == 1 and mode == 'undercount':
+            config.no_sync_func = ddp.no_sync
+        if step == 1 and mode == 'skip_later':
+            model.net.use_branch = False
+        phase = 'zero_grad_buffer'
+        try:
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            phase = 'forward_backward'
+            get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=rank_iterator(1234, step, microbatches, dp_rank, ctx.device),
+                model=[ddp],
+                num_microbatches=microbatches,
+                seq_length=1,
+                micro_batch_size=4,
+                forward_only=False,
+            )
+            phase = 'optimizer'
+            _, grad_norm, _ = optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            out.update(error=f'{type(exc).__name__}: {exc}', phase=phase, step=step)
+            _drain(ddp)
+            break
+        out['grad_norms'].append(float(grad_norm))
+    return out

@@ -48,7 +48,10 @@ def _instrument(model):
 
 
 def _grad_digest(model, rank, world):
-    """sha256 of the reduced grads: the whole buffer, or this rank's shard under distopt."""
+    """sha256 of the reduced grads: the whole buffer, or this rank's shard under distopt (of the
+    distributed-optimizer instance's DP group when there are several instances)."""
+    if model.ddp_config.num_distributed_optimizer_instances > 1:
+        rank, world = model.intra_dp_cp_group.rank(), model.intra_dp_cp_group.size()
     h = hashlib.sha256()
     for buffer in model.buffers + model.expert_parallel_buffers:
         for bucket in buffer.buckets:
@@ -87,8 +90,10 @@ def _settled(forward_step_func, chunks):
     return forward_step
 
 
-def _step(trainer, step, calls, finalize_each_call):
-    """One optimizer step over ``calls`` (microbatch counts of its forward_backward calls)."""
+def _step(trainer, step, calls, finalize_each_call, reset_at=()):
+    """One optimizer step over ``calls`` (microbatch counts of its forward_backward calls);
+    ``reset_at``: [step, call] pairs before which DDP's reset_grad_ready_calibration() runs
+    (call 0: before the step's first call; call > 0: between two calls of the step)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -96,6 +101,8 @@ def _step(trainer, step, calls, finalize_each_call):
     model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     for index, num_microbatches in enumerate(calls):
+        if [step, index] in reset_at:
+            model.reset_grad_ready_calibration()
         last = index == len(calls) - 1
         config.finalize_model_grads_func = (
             finalize_model_grads if (last or finalize_each_call) else None
@@ -132,11 +139,14 @@ def run_sequence(
     finalize_each_call=False,
     bucket_size=100,
     seed=1234,
+    reset_at=(),
+    instances=1,
 ):
     """Train ``steps`` (each an int: one forward_backward call, or a list: one call per count).
 
     ``no_sync_from_step``: install no_sync_func from that step on (steps before it run without,
-    as a warm-up before train() installs its hooks).
+    as a warm-up before train() installs its hooks). ``reset_at``: see _step. ``instances``:
+    DDP's num_distributed_optimizer_instances (the world must be initialised with as many).
 
     Returns:
         dict: per step ``grads`` (digest), ``grad_norm`` (float hex), ``params`` (digest),
@@ -150,6 +160,7 @@ def run_sequence(
         bucket_size=bucket_size,
         seed=seed,
         install_hooks=False,
+        ddp_kwargs=dict(num_distributed_optimizer_instances=instances) if instances > 1 else None,
     )
     trainer.install_hooks(no_sync=no_sync and not no_sync_from_step, finalize=True)
     state = _instrument(trainer.model)
@@ -161,7 +172,7 @@ def run_sequence(
         calls = calls if isinstance(calls, list) else [calls]
         state['early'] = set()
         try:
-            grads, grad_norm = _step(trainer, step, calls, finalize_each_call)
+            grads, grad_norm = _step(trainer, step, calls, finalize_each_call, reset_at)
         except Exception as exc:  # noqa: BLE001 (recorded: the counterfactual's result)
             _drain(trainer.model)
             out['error'] = f'{type(exc).__name__}: {exc}'
@@ -184,7 +195,11 @@ def _compare(fork, ref):
 
 def scenario_sequence(ctx, steps, **kwargs):
     """One sequence with overlap_grad_reduce, and the same with overlap_grad_reduce=False."""
-    init_parallel()
+    instances = kwargs.get('instances', 1)
+    if instances > 1:
+        init_parallel(num_distributed_optimizer_instances=instances)
+    else:
+        init_parallel()
     ref = run_sequence(ctx, steps, overlap=False, **kwargs)
     return {
         'overlap': _compare(run_sequence(ctx, steps, overlap=True, **kwargs), ref),

@@ -2,7 +2,7 @@
 # Megatron-Bridge as a downstream client of the fork (docs/megatron-bridge.md).
 #
 #   tools/maint/bridge_check.sh --mirror BRIDGE_GIT_DIR [--bridge 0.6.0] [--ref v0.6.0]
-#       [--base 0.19.2] [--root /work/bridge-env] [--src /work/bridge-src]
+#       [--base 0.19.2] [--root DIR] [--src DIR]
 #       [--envs "fork pristine"] [--steps "env deps check tests verify compare"]
 #       [--timeout 300] [--pytest-args "..."] [--te-stub] [--paths "tests/unit_tests/..."]
 #
@@ -15,11 +15,13 @@
 # unconditionally; the stub goes in only after megatron.core was imported without TE);
 # megatron-fork-verify --import in the fork env; a per-test comparison of the two junit files.
 # Results go to ROOT/results/.
-# Nothing of Bridge is written inside this repository.
+# Defaults: ROOT = ${XDG_CACHE_HOME:-$HOME/.cache}/megatron-fork/bridge, SRC = ROOT/src-REF
+# (one tree per test ref, so a new --ref never runs an older extraction). Both must lie
+# outside this repository; nothing of Bridge is written inside it.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 
-bridge=0.6.0 ref="" base=0.19.2 root=/work/bridge-env src=/work/bridge-src mirror=""
+bridge=0.6.0 ref="" base=0.19.2 root="${XDG_CACHE_HOME:-$HOME/.cache}/megatron-fork/bridge" src="" mirror=""
 paths="tests/unit_tests" envs="fork pristine" steps="env deps check tests verify compare" timeout=300 pyargs="" mode=plain
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,12 +37,15 @@ while [ $# -gt 0 ]; do
     --pytest-args) pyargs="$2"; shift 2 ;;
     --te-stub) mode=te-stub; shift ;;
     --paths) paths="$2"; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bridge_check.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 ref="${ref:-v$bridge}"
-case "$src" in "$repo"|"$repo"/*) echo "bridge_check.sh: --src must be outside $repo" >&2; exit 2 ;; esac
+src="${src:-$root/src-$ref}"
+for d in "$root" "$src"; do
+  case "$(realpath -m "$d")" in "$repo"|"$repo"/*) echo "bridge_check.sh: $d must be outside $repo" >&2; exit 2 ;; esac
+done
 has() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 res="$root/results"
 mkdir -p "$res"
@@ -178,6 +183,8 @@ tests() {
   mkdir -p "$out"
   if [ ! -d "$src/tests/unit_tests" ]; then
     [ -n "$mirror" ] || { echo "bridge_check.sh: --mirror needed to extract $ref" >&2; return 2; }
+    git --git-dir="$mirror" rev-parse -q --verify "$ref^{commit}" > /dev/null ||
+      { echo "bridge_check.sh: $ref is not in $mirror (give --ref)" >&2; return 2; }
     mkdir -p "$src" && git --git-dir="$mirror" archive "$ref" tests scripts examples pyproject.toml | tar -x -C "$src" || return 1
   fi
   if [ "$mode" = te-stub ]; then write_stub "$root/te-stub"; plug=(-p bridge_te_stub); fi
