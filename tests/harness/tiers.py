@@ -15,7 +15,7 @@ TIERS = {
     'no-gtp': 'generalized tensor parallelism, absent on this base (dev, 0.18.2)',
     'nccl': 'checks of the CPU redirect, and worlds larger than the visible GPUs, under '
     'FORK_TEST_BACKEND=nccl',
-    'containers': 'container builds: podman is not installed',
+    'containers': 'both Dockerfile targets built on a stand-in base: needs podman, debootstrap, root',
 }
 
 
