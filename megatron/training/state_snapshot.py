@@ -251,6 +251,6 @@ def _clear_loss_trackers() -> None:
         if helper.tracker:
             # Releases split the clean-up differently (dev's clean_metrics_in_tracker leaves
             # the per-token loss sums that clean_loss_in_tracker zeroes): call each there is.
-            for name in ('clean_metrics_in_tracker',):
+            for name in ('clean_loss_in_tracker', 'clean_metrics_in_tracker'):
                 if hasattr(helper, name):
                     getattr(helper, name)()
