@@ -7,7 +7,8 @@
 #
 # What it makes, like the real bases where the Dockerfile relies on them:
 #   - a Debian bookworm root (debootstrap --variant=minbase) with g++ (the fork compiles its
-#     dataset helper) and the shared libraries CPython needs;
+#     dataset helper), git and patch (tools/fork.py materialize needs both) and the
+#     shared libraries CPython needs;
 #   - CPython 3.12 under /usr/local (python3, python, pip on PATH), copied from an existing
 #     build: --python PY (default: the interpreter tools/install.sh would pick), without its
 #     site-packages; pip comes from its own ensurepip. Debian ships no 3.12 (bookworm has 3.11,
@@ -41,7 +42,7 @@ while [ $# -gt 0 ]; do
     --tag) tag="$2"; shift 2 ;;
     --workdir) workdir="$2"; shift 2 ;;
     --force) force=1; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "standin_base.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -68,13 +69,13 @@ step() { echo "==> [$(($(date +%s) - t0))s] $*" >&2; }
 #    image's) and kept as a cache. The image installs them from there, without an index.
 step "wheels for python $ver into $workdir/wheels"
 "$py" -m pip download -q --disable-pip-version-check --only-binary :all: -d "$workdir/wheels" \
-  torch==2.13.0 numpy "setuptools>=80" pybind11 "packaging>=24.2" wheel >&2
+  pip torch==2.13.0 numpy "setuptools>=80" pybind11 "packaging>=24.2" wheel >&2
 
 # 2. The Debian root.
 step "debootstrap bookworm (minbase) into $root"
 rm -rf "$root"
 debootstrap --variant=minbase \
-  --include=g++,libssl3,libffi8,zlib1g,libbz2-1.0,liblzma5,libsqlite3-0,libreadline8,libncursesw6,libexpat1,libtirpc3,ca-certificates \
+  --include=g++,git,patch,libssl3,libffi8,zlib1g,libbz2-1.0,liblzma5,libsqlite3-0,libreadline8,libncursesw6,libexpat1,libtirpc3,ca-certificates \
   bookworm "$root" "$mirror" >"$workdir/debootstrap.log" 2>&1 \
   || { tail -20 "$workdir/debootstrap.log" >&2; exit 1; }
 rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
@@ -85,12 +86,15 @@ tar -C "$prefix" -c \
   --exclude="./lib/python$ver/site-packages/*" --exclude="./lib/python$ver/test" \
   --exclude='__pycache__' bin include lib share 2>/dev/null | tar -C "$root/usr/local" -x
 # Drop the copied build's own scripts (pip, idle, ...) whose shebangs name its old prefix.
-find "$root/usr/local/bin" -type f ! -name "python$ver" ! -name "python$ver-config" -delete
+find "$root/usr/local/bin" ! -type d ! -name "python$ver" ! -name "python$ver-config" -delete
 ln -sf "python$ver" "$root/usr/local/bin/python3"
 ln -sf "python$ver" "$root/usr/local/bin/python"
+ln -sf "python$ver-config" "$root/usr/local/bin/python3-config"
 chroot "$root" /sbin/ldconfig
-chroot "$root" /usr/local/bin/python3 -m ensurepip --default-pip >/dev/null
-ln -sf pip3 "$root/usr/local/bin/pip"
+# The root's own pip (scripts pip, pip3 come with the upgrade in the torch layer below); a clean
+# environment, so that this machine's pip settings do not leak in.
+chroot "$root" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin \
+  python3 -m ensurepip >/dev/null
 
 # 4. Import the root, then install the wheels in a build step of its own (a second layer).
 step "podman import"
@@ -103,6 +107,8 @@ mkdir -p "$ctx"
 cat >"$ctx/Containerfile" <<EOF
 FROM $tag-root
 RUN python3 -m pip install --no-cache-dir --disable-pip-version-check --no-index \
+      --find-links /wheels --upgrade pip \
+    && pip install --no-cache-dir --disable-pip-version-check --no-index \
       --find-links /wheels torch==2.13.0 numpy "setuptools>=80" pybind11 "packaging>=24.2" wheel \
     && python3 -c "import torch, numpy; print('stand-in: python', __import__('sys').version.split()[0], 'torch', torch.__version__)"
 EOF
