@@ -109,3 +109,10 @@ def test_structure_rules_catch_a_torch_reinstall(monkeypatch):
     monkeypatch.setitem(globals(), 'read_dockerfile', lambda: bad)
     with pytest.raises(AssertionError):
         test_torch_is_never_reinstalled()
+
+
+def test_rocm_te_skip_is_opt_in():
+    """ROCM_TE=skip (the stand-in build) is never the default: a real ROCm image builds TE."""
+    for name in ('rocm-te', 'rocm'):
+        args = [arg for word, arg in stages()[name] if word == 'ARG']
+        assert 'ROCM_TE=build' in args, f'{name}: {args}'
