@@ -9,10 +9,11 @@
 # For each env (fork: tools/install.sh; pristine: PyPI megatron-core==BASE), both with
 # torch==2.13.0 held by a constraints file: install megatron-bridge --no-deps, then each of
 # its requirements (and megatron-core's [dev,mlm] extras) one pip call at a time, recording
-# what installed and what did not; pip check; import; Bridge's tests/unit_tests from the
-# mirror's REF (git archive into --src, outside this repo), as they are and, with --te-stub,
-# with an inert transformer_engine stub (Bridge imports transformer_engine.pytorch
-# unconditionally; the stub goes in only after megatron.core was imported without TE);
+# what installed and what did not; pip check; import (as is and with the TE stub below);
+# Bridge's tests/unit_tests from the mirror's REF (git archive into --src, outside this repo),
+# as they are and, with --te-stub, with an inert transformer_engine stub (Bridge imports
+# transformer_engine.pytorch unconditionally; the stub goes in only after megatron.core was
+# imported without TE);
 # megatron-fork-verify --import in the fork env; a per-test comparison of the two junit files.
 # Results go to ROOT/results/.
 # Defaults: ROOT = ${XDG_CACHE_HOME:-$HOME/.cache}/megatron-fork/bridge, SRC = ROOT/src-REF
@@ -122,9 +123,13 @@ check() {
   local e="$1" py="$root/$1/bin/python" out="$res/$1"
   mkdir -p "$out"
   "$py" -m pip check > "$out/pip-check.txt" 2>&1; echo "pip check rc=$?" >> "$out/pip-check.txt"
-  (cd /tmp && "$py" -c 'import megatron.bridge, megatron.core as c; print("import megatron.bridge ok", megatron.bridge.__version__, "core", c.__version__)') \
-    > "$out/import.txt" 2>&1; echo "import rc=$?" >> "$out/import.txt"
-  echo "== $e"; tail -n 4 "$out/pip-check.txt"; tail -n 2 "$out/import.txt"
+  local imp='import megatron.bridge, megatron.core as c; print("import megatron.bridge ok", megatron.bridge.__version__, "core", c.__version__)'
+  (cd /tmp && "$py" -c "$imp") > "$out/import.txt" 2>&1; echo "import rc=$?" >> "$out/import.txt"
+  # The same import with the TE stub of --te-stub loaded first (as pytest -p bridge_te_stub does).
+  write_stub "$root/te-stub"
+  (cd /tmp && PYTHONPATH="$root/te-stub" "$py" -c "import bridge_te_stub; $imp") > "$out/import-te-stub.txt" 2>&1
+  echo "import rc=$?" >> "$out/import-te-stub.txt"
+  echo "== $e"; tail -n 4 "$out/pip-check.txt"; tail -n 2 "$out/import.txt"; tail -n 2 "$out/import-te-stub.txt"
 }
 
 write_stub() {  # $1 = directory; a pytest plugin, written here, outside the repository
