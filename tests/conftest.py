@@ -54,7 +54,7 @@ def _skip_text(report):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A skip outside the optional tiers (tests/harness/tiers.py) is a failure, named in one line."""
+    """A skip outside the optional tiers (tests/harness/tiers.py) fails, named in one line."""
     outcome = yield
     report = outcome.get_result()
     if not report.skipped or hasattr(report, 'wasxfail'):

@@ -44,9 +44,7 @@ def run(cmd, **kw):
 @pytest.fixture(scope='module')
 def standin():
     """The stand-in base image's tag (made by tools/maint/standin_base.sh unless it exists)."""
-    res = run(
-        ['bash', 'tools/maint/standin_base.sh', '--python', sys.executable], timeout=1800
-    )
+    res = run(['bash', 'tools/maint/standin_base.sh', '--python', sys.executable], timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout.strip().splitlines()[-1]
 

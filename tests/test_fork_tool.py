@@ -105,10 +105,7 @@ def make_patch(sandbox, name, old, new, subject="test: change a default"):
     text = (work / TARGET).read_text()
     assert old in text
     (work / TARGET).write_text(text.replace(old, new, 1))
-    subprocess.run(
-        [*git, "commit", "-qam", f"{subject}\n\nBody.\n\nUpstream-Status: not-forwarded"],
-        check=True,
-    )
+    subprocess.run([*git, "commit", "-qam", f"{subject}\n\nBody.\n\nForwarded: no"], check=True)
     out = format_patch(git)
     (series_dir(sandbox) / name).write_text(out)
     return out
@@ -175,7 +172,7 @@ def test_a_new_patch_is_named_by_its_fork_change_slug_uncut(sandbox, tmp_path):
     target = sandbox / TARGET
     target.write_text(target.read_text() + "# a change\n")
     message = tmp_path / "message.txt"
-    message.write_text(f"Body.\n\nUpstream-Status: not-forwarded\nFork-Change: {slug}\n")
+    message.write_text(f"Body.\n\nForwarded: no\nFork-Change: {slug}\n")
     subject = "ddp: a subject long enough that a name cut at 52 characters loses its end"
     proc = run(sandbox, "commit", "--new", subject, "--message-file", str(message))
     assert proc.returncode == 0, proc.stderr
@@ -276,7 +273,7 @@ def test_a_patch_message_over_40_lines_fails_check(tmp_path):
     for name, body_lines in (("0001-short.patch", 36), ("0002-long.patch", 37)):
         (work / "a.py").write_text(f"x = {body_lines}\n")
         body = "\n".join(f"line {i}" for i in range(body_lines))
-        message = f"test: {name}\n\n{body}\n\nUpstream-Status: not-forwarded"
+        message = f"test: {name}\n\n{body}\n\nForwarded: no"
         subprocess.run([*git, "commit", "-qam", message], check=True)
         (patch_dir / name).write_text(format_patch(git))
     (patch_dir / "series").write_text("0001-short.patch\n0002-long.patch\n")
@@ -518,9 +515,7 @@ def make_two_file_patch(sandbox, name):
     )
     with open(work / other, "a") as f:
         f.write("# a second file\n")
-    subprocess.run(
-        [*git, "commit", "-qam", "two files\n\nBody.\n\nUpstream-Status: not-forwarded"], check=True
-    )
+    subprocess.run([*git, "commit", "-qam", "two files\n\nBody.\n\nForwarded: no"], check=True)
     return format_patch(git), other
 
 
@@ -739,9 +734,9 @@ def test_status_names_a_merged_backport_upstream_on_a_ref_that_moved_on():
     """0008 and 0010 conflict on main, but main contains #5916: status says upstream, and why."""
     mirror = Path(os.environ["FORK_MEGATRON_LM"])
     has_main = ["git", "-C", str(mirror), "cat-file", "-e", f"{MAIN}^{{commit}}"]
-    assert subprocess.run(has_main, capture_output=True).returncode == 0, (
-        f"FORK_MEGATRON_LM={mirror} lacks Megatron-LM main commit {MAIN}: fetch it there"
-    )
+    assert (
+        subprocess.run(has_main, capture_output=True).returncode == 0
+    ), f"FORK_MEGATRON_LM={mirror} lacks Megatron-LM main commit {MAIN}: fetch it there"
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "fork.py"), "status", "--git-repo", str(mirror),
          "--rev", MAIN],
@@ -771,13 +766,7 @@ def test_patch_adding_an_upstream_layout_test_is_tracked_by_the_queue(sandbox):
     (work / test_rel).write_text("def test_default():\n    assert True\n")
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run(
-        [
-            *git,
-            "commit",
-            "-qm",
-            "test: change a default\n\nBody.\n\nUpstream-Status: not-forwarded",
-        ],
-        check=True,
+        [*git, "commit", "-qm", "test: change a default\n\nBody.\n\nForwarded: no"], check=True
     )
     (series_dir(sandbox) / "0001-a.patch").write_text(format_patch(git))
     add_to_series(sandbox, "0001-a.patch")

@@ -120,7 +120,9 @@ def _resumed(driver, tree):
         assert 'error' not in res and res['exit'] in (None, 0), res.get('error', res['exit'])
     assert [it['iteration'] for it in first['iterations']] == [1, 2, 3]
     assert [it['iteration'] for it in resumed['iterations']] == [4, 5, 6, 7, 8]
-    own = {it['iteration']: float.fromhex(it['losses']['lm loss'][0]) for it in resumed['iterations']}
+    own = {
+        it['iteration']: float.fromhex(it['losses']['lm loss'][0]) for it in resumed['iterations']
+    }
     printed = {int(k): float(v) for k, v in resumed['printed_loss'].items()}
     return own, printed
 

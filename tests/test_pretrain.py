@@ -3,10 +3,10 @@
 Runs a GPT entry point through megatron.training.pretrain() (tests/scenarios/pretrain.py): the
 project's own tests/driver/pretrain_tiny_gpt.py on every machine and, in the megatron-lm tier
 (FORK_MEGATRON_LM names a clone), Megatron-LM's own pretrain_gpt.py at the selected base's ref
-(never committed). Model provider, forward step, MockGPTDataset, a tiny local-spec GPT (2 layers, hidden 64, seq 32, bf16, DDP with overlap_grad_reduce and the
-distributed optimizer, accumulation 2), on CPU ranks (gloo, with the
-harness's CUDA redirect plus its pretrain mode) at world sizes 1 and 2, or on GPUs with
-FORK_TEST_BACKEND=nccl.
+(never committed). Model provider, forward step, MockGPTDataset, a tiny local-spec GPT (2 layers,
+hidden 64, seq 32, bf16, DDP with overlap_grad_reduce and the distributed optimizer, accumulation
+2), on CPU ranks (gloo, with the harness's CUDA redirect plus its pretrain mode) at world sizes 1
+and 2, or on GPUs with FORK_TEST_BACKEND=nccl.
 
 - Without the flag and with --warmup-train-steps 2, every real iteration's loss, grad norm,
   learning rate and loss scale are bitwise identical, and so are the model and optimizer after the
@@ -36,9 +36,7 @@ def _argv(ws, arm):
 
 
 RUNS = {
-    (driver, ws, arm): call(
-        ws, FORK, S, argv=_argv(ws, arm), driver=driver, tag=REF, timeout=300
-    )
+    (driver, ws, arm): call(ws, FORK, S, argv=_argv(ws, arm), driver=driver, tag=REF, timeout=300)
     for driver in drivers_here()
     for ws in (1, 2)
     for arm in ARMS

@@ -10,8 +10,6 @@ import difflib
 import importlib.util
 from pathlib import Path
 
-import pytest
-
 from tests.harness import bases, launcher, tiers
 
 REPO = Path(__file__).resolve().parents[1]

@@ -92,7 +92,9 @@ def _steps(res, kind):
 
 def test_warmup_steps_train_as_real_steps(driver):
     """Warmup step k on batch k gives real step k's loss (no warmup, same batches), bitwise."""
-    for rank, (none, warm) in enumerate(zip(_ok('opg', 'none', driver), _ok('opg', 'warmup', driver))):
+    for rank, (none, warm) in enumerate(
+        zip(_ok('opg', 'none', driver), _ok('opg', 'warmup', driver))
+    ):
         real = [step['loss'] for step in _steps(none, 'real')]
         warmup = [step['loss'] for step in _steps(warm, 'warmup')]
         assert len(real) == ITERS and len(warmup) == 2, f'rank {rank}'
@@ -133,7 +135,9 @@ def test_first_real_iteration_logs_no_warmup_mtp_loss(driver):
 
 def test_router_buffers_after_each_real_step_as_without_warmup(driver):
     """expert_bias (updated by finalize_model_grads) and the tokens-per-expert counts."""
-    for rank, (none, warm) in enumerate(zip(_ok('moe', 'none', driver), _ok('moe', 'warmup', driver))):
+    for rank, (none, warm) in enumerate(
+        zip(_ok('moe', 'none', driver), _ok('moe', 'warmup', driver))
+    ):
         real = [step['buffers'] for step in _steps(none, 'real')]
         assert any('expert_bias' in name for name in real[0]), f'rank {rank}'
         # The expert bias moves during training: the comparison is not of constants.
@@ -148,7 +152,9 @@ def test_router_buffers_after_each_real_step_as_without_warmup(driver):
 
 def test_rerun_state_machine_as_without_warmup(driver):
     """The spiky-loss baseline (saved in checkpoints) and the first-iteration flag."""
-    for rank, (none, warm) in enumerate(zip(_ok('moe', 'none', driver), _ok('moe', 'warmup', driver))):
+    for rank, (none, warm) in enumerate(
+        zip(_ok('moe', 'none', driver), _ok('moe', 'warmup', driver))
+    ):
         assert none['rerun']['large_value_counts'], f'rank {rank}'  # --check-for-spiky-loss ran
         # Upstream validates no result of the first iteration (no checkpoint to rerun from yet).
         first = _steps(none, 'real')[0]['rerun_before']
@@ -161,6 +167,8 @@ def test_flops_counted_per_iteration_as_without_warmup(driver):
     """A forward step that accounts packed sequences (as pretrain_gpt's does for THD batches):
     train() counts every iteration's FLOPs (and from them num_floating_point_operations_so_far,
     saved in checkpoints, and the logged throughput) as without warmup."""
-    for rank, (none, warm) in enumerate(zip(_ok('packed', 'none', driver), _ok('packed', 'warmup', driver))):
+    for rank, (none, warm) in enumerate(
+        zip(_ok('packed', 'none', driver), _ok('packed', 'warmup', driver))
+    ):
         assert len(none['flops']) >= ITERS, f'rank {rank}'
         assert warm['flops'] == none['flops'], f'rank {rank}'

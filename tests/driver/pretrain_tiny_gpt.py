@@ -114,7 +114,9 @@ def get_batch(data_iterator, vp_stage=None):
     if not _needs_batch(vp_stage):
         return {key: None for key in BATCH_KEYS + ('attention_mask',)}
     keys = BATCH_KEYS + (('attention_mask',) if args.create_attention_mask_in_dataloader else ())
-    device = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = (
+        torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
     if mpu.get_tensor_model_parallel_rank() == 0:
         raw = next(data_iterator)
         batch = {key: raw[key].to(device) if device else raw[key] for key in keys}

@@ -119,19 +119,22 @@ def fp64_step_norms(ctx, step, microbatches):
         settled before microbatch 1, leaves in the buffer)}.
     """
     per_rank = [
-        [_fp64_grads(ctx, step, mb, r) for mb in range(microbatches)]
-        for r in range(ctx.world_size)
+        [_fp64_grads(ctx, step, mb, r) for mb in range(microbatches)] for r in range(ctx.world_size)
     ]
     n = ctx.world_size
 
     def norm(grads):
         return math.sqrt(float(sum(g.pow(2).sum() for g in grads)))
 
-    reduced = [sum(sum(mbs[mb][i] for mb in range(microbatches)) for mbs in per_rank) / n
-               for i in range(len(per_rank[0][0]))]
-    early = [sum(mbs[0][i] for mbs in per_rank) / n
-             + sum(per_rank[ctx.rank][mb][i] for mb in range(1, microbatches))
-             for i in range(len(per_rank[0][0]))]
+    reduced = [
+        sum(sum(mbs[mb][i] for mb in range(microbatches)) for mbs in per_rank) / n
+        for i in range(len(per_rank[0][0]))
+    ]
+    early = [
+        sum(mbs[0][i] for mbs in per_rank) / n
+        + sum(per_rank[ctx.rank][mb][i] for mb in range(1, microbatches))
+        for i in range(len(per_rank[0][0]))
+    ]
     return {'reduced': norm(reduced), 'early': norm(early)}
 
 

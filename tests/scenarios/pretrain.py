@@ -88,7 +88,9 @@ def read_upstream_file(path, ref):
     clone = os.environ.get('FORK_MEGATRON_LM')
     if not clone:
         raise RuntimeError('FORK_MEGATRON_LM is not set (the megatron-lm tier needs a clone)')
-    proc = subprocess.run(['git', '-C', clone, 'show', f'{ref}:{path}'], capture_output=True, text=True)
+    proc = subprocess.run(
+        ['git', '-C', clone, 'show', f'{ref}:{path}'], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(
             f'FORK_MEGATRON_LM={clone} has no {path} at {ref}: fetch that ref there '

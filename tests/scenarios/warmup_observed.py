@@ -1,8 +1,8 @@
 """What train() does with and without ``--warmup-train-steps``, observed from outside.
 
 Runs a GPT entry point (the project's driver, or upstream's ``pretrain_gpt.py``) through the real
-``pretrain()`` and ``train()`` (tests/scenarios/pretrain.py's scenario_pretrain_gpt) and records, without touching any helper of
-megatron/training/warmup.py:
+``pretrain()`` and ``train()`` (tests/scenarios/pretrain.py's scenario_pretrain_gpt) and records,
+without touching any helper of megatron/training/warmup.py:
 
 - at every ``train_step`` call (warmup steps and real steps, told apart by the warmup having
   returned or not) and at the end of ``train()``: the model config's callbacks, each as "which

@@ -3,12 +3,12 @@
 Nothing here touches the developer's ``megatron/``: the series is applied in a private workspace.
 """
 
-import re
 import tempfile
 from pathlib import Path
 
 from . import EXIT_FAILED, ForkError
 from . import queue as queue_mod
+from . import records as records_mod
 from . import series as series_mod
 from . import sources as sources_mod
 
@@ -22,11 +22,6 @@ def message_lines(path):
     start = next(i for i, line in enumerate(lines) if line.startswith("Subject: "))
     ends = (i for i, line in enumerate(lines) if line == "---" or line.startswith("diff --git "))
     return next(ends, len(lines)) - start
-
-
-def _number(name):
-    m = re.match(r"^(\d{4})-", name.rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else None
 
 
 def metadata_failures(base, patch_dir, changes):
@@ -45,20 +40,17 @@ def metadata_failures(base, patch_dir, changes):
     if missing:
         return failures
     patches = series_mod.load_series(patch_dir)
-    by_number = {c.get("number"): slug for slug, c in changes.items()}
     seen = []
     for patch in patches:
         for req in patch.requires:
-            slug = by_number.get(_number(req))
-            upstream = slug and series_mod.upstream_record(changes, slug, base)
-            if req not in seen and not upstream:
+            if req not in seen and not series_mod.upstream_record(changes, req, base):
                 failures.append(
                     f"{patch.name} requires {req}, which is neither earlier in the series nor "
                     f"upstream in {base}"
                 )
-        seen.append(patch.basename)
-        if not patch.upstream_status:
-            failures.append(f"{patch.name} has no Upstream-Status trailer")
+        seen.append(patch.change)
+        if not patch.forwarded:
+            failures.append(f"{patch.name} has no Forwarded trailer")
         length = message_lines(patch.path)
         if length > MAX_MESSAGE_LINES:
             failures.append(f"{patch.where}: message is {length} lines, over {MAX_MESSAGE_LINES}")
@@ -88,6 +80,35 @@ def metadata_failures(base, patch_dir, changes):
     return failures
 
 
+def check_metadata(pin, base, ws):
+    """Raise ForkError (exit 1) naming every problem of ``base``'s series that needs no upstream
+    tree: series vs files, trailers, message length, change records, source files, and every
+    file generated from the records (README table, trailers) that disagrees with them.
+
+    Args:
+        pin: the loaded pin.
+        base: a maintained base.
+        ws: the workspace whose ``patches/`` is checked.
+    """
+    patch_dir = ws.patch_dir(base)
+    changes = series_mod.load_changes(ws.patch_root)
+    failures = metadata_failures(base, patch_dir, changes)
+    failures += [
+        line
+        for line in sources_mod.drift(ws.root, ws.patch_root)
+        if line.startswith(f"patches/{base}/")
+    ]
+    failures += [
+        f"{path} disagrees with patches/{series_mod.CHANGES_FILE} (run `tools/fork.py records "
+        "--write`)"
+        for path in records_mod.plan(ws.patch_root, pin).drift()
+        if path.startswith(f"patches/{base}/") or not path.startswith("patches/")
+    ]
+    if failures:
+        raise ForkError(f"check {base} failed:\n  " + "\n  ".join(failures), EXIT_FAILED)
+    return changes
+
+
 def check_base(pin, base, ws, source=None):
     """Check base ``base``; return a one-line summary or raise ForkError (exit 1 or 5).
 
@@ -98,15 +119,7 @@ def check_base(pin, base, ws, source=None):
         source: forwarded to :func:`upstream.obtain_tree`.
     """
     patch_dir = ws.patch_dir(base)
-    changes = series_mod.load_changes(ws.patch_root)
-    failures = metadata_failures(base, patch_dir, changes)
-    failures += [
-        line
-        for line in sources_mod.drift(ws.root, ws.patch_root)
-        if line.startswith(f"patches/{base}/")
-    ]
-    if failures:
-        raise ForkError(f"check {base} failed:\n  " + "\n  ".join(failures), EXIT_FAILED)
+    changes = check_metadata(pin, base, ws)
     with tempfile.TemporaryDirectory(prefix="fork-check-") as tmp:
         private = queue_mod.Workspace(Path(tmp), patch_root=ws.patch_root)
         queue_mod.materialize(pin, base, ws=private, force=True, **(source or {}))

@@ -26,6 +26,7 @@ from . import check as check_mod
 from . import manifest as manifest_mod
 from . import queue as queue_mod
 from . import rebase as rebase_mod
+from . import records as records_mod
 from . import series as series_mod
 from . import status as status_mod
 from . import upstream
@@ -135,6 +136,7 @@ def cmd_check(args, pin, ws):
         if base not in pin["maintained"]:
             raise ForkError(f"{base} is not a maintained base ({', '.join(pin['maintained'])})", 2)
         if upstream.is_git_base(pin, base) and not args.git_repo:
+            check_mod.check_metadata(pin, base, ws)  # what needs no upstream tree, still
             if args.base:
                 raise ForkError(f"check --base {base} needs --git-repo PATH-TO-Megatron-LM", 4)
             skipped.append(base)
@@ -148,6 +150,26 @@ def cmd_check(args, pin, ws):
             "PATH-TO-Megatron-LM, or name the bases to check with --base)",
             EXIT_UNAVAILABLE,
         )
+
+
+def cmd_records(args, pin, ws):
+    """Compare (or with --write, rewrite) what the change records generate."""
+    if args.write:
+        written = records_mod.write(ws.patch_root, pin)
+        for path in written:
+            print(f"  wrote {path}")
+        if not written:
+            print("every generated file agrees with the change records (no byte changed)")
+        return
+    drift = records_mod.plan(ws.patch_root, pin).drift()
+    if drift:
+        raise ForkError(
+            f"{len(drift)} file(s) disagree with patches/{series_mod.CHANGES_FILE}: "
+            + ", ".join(drift)
+            + " (run `tools/fork.py records --write`)",
+            EXIT_FAILED,
+        )
+    print("every generated file agrees with the change records")
 
 
 def cmd_status(args, pin, ws):
@@ -260,6 +282,12 @@ def build_parser(ws):
     p.add_argument("--base", action="append", help="a maintained base (repeatable; default: all)")
     _source_args(p)
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
+        "records", help="README table and patch trailers against patches/changes.toml"
+    )
+    p.add_argument("--write", action="store_true", help="rewrite the files that disagree")
+    p.set_defaults(func=cmd_records)
 
     p = sub.add_parser("status", help="matrix of every change against every base or ref")
     p.add_argument("--base", action="append", help="a pinned base (repeatable); default: all")

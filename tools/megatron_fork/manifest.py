@@ -52,7 +52,7 @@ def build_manifest(lib_root, pin, base_name, patches, fork_version):
             {
                 "name": p.name,
                 "sha256": hashlib.sha256(p.path.read_bytes()).hexdigest(),
-                "upstream_status": p.upstream_status,
+                "forwarded": p.forwarded,
             }
             for p in patches
         ],

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError
+from . import records as records_mod
 from . import sources as sources_mod
 from .series import CLEAN, GROUPS, classify, load_series, read_series
 from .upstream import obtain_tree
@@ -482,9 +483,11 @@ def render_commits(work_tree, git_dir, revs, known=None, next_number=1, group=GR
 
 
 def render_patches(ws):
-    """Return {series entry: patch text} for every queue commit after the base, in order."""
+    """Return {series entry: patch text} for every queue commit after the base, in order, with
+    the author, opening line and trailers that the change records give each patch."""
     known = _known_names(ws)
-    return render_commits(ws.root, ws.pq, "base..HEAD", known, _next_number(ws, known.values()))
+    rendered = render_commits(ws.root, ws.pq, "base..HEAD", known, _next_number(ws, known.values()))
+    return records_mod.render_rendered(rendered, records_mod.load(ws.patch_root))
 
 
 def write_series(patch_dir, rendered, protect=()):
@@ -575,7 +578,8 @@ def commit(ws, to=None, new=None, message_file=None):
         ws: the workspace.
         to: fold the edits into the commit of this patch (series entry or file name).
         new: create a new patch with this subject at the end of the series.
-        message_file: the body of the new patch's message (Problem/Cause/Fix/Validation, trailers).
+        message_file: the body of the new patch's message (Problem/Cause/Fix/Test); its
+            trailers come from the change record on export.
     """
     if bool(to) == bool(new):
         raise ForkError("commit needs exactly one of --to PATCH or --new SUBJECT", EXIT_USAGE)

@@ -35,9 +35,9 @@ class Patch:
         name: the series entry, ``<group>/<file>.patch`` (or a bare file name).
         path: full path of the file.
         subject: the subject line without the ``[PATCH]`` prefix.
-        upstream_status: the ``Upstream-Status:`` trailer.
-        requires: the ``Requires:`` trailers (file names of earlier patches).
-        upstream_commits: the ``Upstream-Commit:`` trailers (Megatron-LM commits with the change).
+        forwarded: the ``Forwarded:`` trailer (DEP-3: ``no``, ``not-needed`` or PR URLs).
+        requires: the ``Requires:`` trailers (slugs of changes it needs).
+        upstream_commits: the commits of the ``Origin: upstream, <url>/commit/<sha>`` trailers.
         files: the paths the patch touches.
         change: the ``Fork-Change:`` trailer (the change's slug, the same on every base).
     """
@@ -45,7 +45,7 @@ class Patch:
     name: str
     path: Path
     subject: str = ""
-    upstream_status: str = ""
+    forwarded: str = ""
     requires: list = field(default_factory=list)
     upstream_commits: list = field(default_factory=list)
     files: list = field(default_factory=list)
@@ -136,10 +136,12 @@ def parse_patch(path, entry=None):
             EXIT_APPLY,
         )
     header = text.split("\ndiff --git ", 1)[0]
-    status = re.search(r"^Upstream-Status: (.+)$", header, re.M)
-    patch.upstream_status = status.group(1).strip() if status else ""
+    forwarded = re.search(r"^Forwarded: (.+)$", header, re.M)
+    patch.forwarded = forwarded.group(1).strip() if forwarded else ""
     patch.requires = re.findall(r"^Requires: (\S+)", header, re.M)
-    patch.upstream_commits = re.findall(r"^Upstream-Commit: ([0-9a-f]{7,40})", header, re.M)
+    patch.upstream_commits = re.findall(
+        r"^Origin: upstream, \S*/commit/([0-9a-f]{7,40})", header, re.M
+    )
     change = re.search(r"^Fork-Change: (\S+)", header, re.M)
     patch.change = change.group(1) if change else ""
     patch.files = re.findall(r"^\+\+\+ b/(\S+)", text, re.M) + re.findall(
@@ -252,19 +254,24 @@ def series_digest(patches):
 
 
 def load_changes(root):
-    """Return the change catalogue ``root/changes.toml`` ({} when there is none).
+    """Return the change records ``root/changes.toml`` as plain tables ({} when there is none),
+    after :func:`records.parse` has validated them.
 
     Args:
         root: the workspace's ``patches/`` directory (``Workspace.patch_root``).
     """
+    from . import records  # pylint: disable=import-outside-toplevel
+
     path = Path(root) / CHANGES_FILE
     if not path.is_file():
         return {}
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f).get("changes", {})
+            table = tomllib.load(f).get("changes", {})
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ForkError(f"cannot read {path}: {exc}", EXIT_USAGE) from exc
+    records.parse(table)
+    return table
 
 
 def upstream_record(changes, slug, base):

@@ -34,7 +34,7 @@ def contains_upstream_commit(patch, tree, git_repo):
     """Check whether ``tree`` already holds the upstream commits a patch names.
 
     A backport written in the fork's own words cannot reverse-apply on a release that merged
-    upstream's version. Its ``Upstream-Commit:`` trailers name upstream's commits; this reverse-
+    upstream's version. Its ``Origin: upstream`` trailers name upstream's commits; this reverse-
     applies each commit's hunks to the files the patch touches. The trailer only says where to
     look: the verdict comes from the tree's content.
 
@@ -70,7 +70,7 @@ def evaluate(patches, tree, git_repo=None):
     Args:
         patches: the series.
         tree: a scratch copy of the base (modified in place).
-        git_repo: a Megatron-LM clone, to verify ``Upstream-Commit:`` trailers.
+        git_repo: a Megatron-LM clone, to verify ``Origin: upstream`` trailers.
 
     Returns:
         {patch name: (outcome, detail)}
@@ -149,7 +149,7 @@ class Result:
         return "\n".join(lines)
 
     def metadata_warnings(self):
-        """Cells that contradict the catalogue or a patch's Upstream-Status."""
+        """Cells that contradict the change records or a patch's trailers."""
         warnings = []
         for c in self.columns:
             for row, (outcome, detail) in c.cells.items():
@@ -164,11 +164,13 @@ class Result:
                     outcome == UPSTREAM
                     and patch
                     and not self.changes
-                    and (not patch.upstream_status.lower().startswith(("applied", "backport")))
+                    and not patch.upstream_commits
+                    and "Applied-Upstream:"
+                    not in patch.path.read_text().split("\ndiff --git", 1)[0]
                 ):
                     warnings.append(
-                        f"{patch.name}: found upstream in {c.label} but its Upstream-Status is "
-                        f"{patch.upstream_status!r}"
+                        f"{patch.name}: found upstream in {c.label} but it has neither an Origin "
+                        f"nor an Applied-Upstream trailer (Forwarded: {patch.forwarded!r})"
                     )
         return warnings
 
