@@ -186,14 +186,10 @@ def trailers(change):
     return lines
 
 
-# Trailer keys of earlier forms of the records, replaced on the next write.
-_OLD_KEYS = ("Upstream-Status", "Upstream-Commit")
-
-
 def _is_trailer_paragraph(lines):
     """True when ``lines`` (a paragraph) is a trailer block: its first line is a known trailer
     (a wrapped value may continue on the next lines)."""
-    return bool(lines) and lines[0].split(":", 1)[0] in TRAILER_KEYS + _OLD_KEYS
+    return bool(lines) and lines[0].split(":", 1)[0] in TRAILER_KEYS
 
 
 def render_patch(text, change):

@@ -1,0 +1,85 @@
+"""The README is for users and short; no document names a form the project has left behind;
+every document is reachable from docs/README.md."""
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+
+# Forms the project has left: the single series file, the old trailers, the old message heading,
+# an old dev pin. (Results are records of their day and keep their words.)
+STALE = {
+    r"patches/series\b": "the series file is patches/<base>/series",
+    r"Upstream-Status|Upstream-Commit": "trailers are Forwarded/Applied-Upstream/Origin",
+    r"^Validation:": "the message heading is Test:",
+    r"12eed0a5": "an old dev pin; the pin is patches/upstream.toml's",
+}
+
+
+def tracked_text_files():
+    """Tracked files outside results/ that hold prose or code."""
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    keep = (".md", ".py", ".sh", ".toml", ".txt", ".yml", ".patch")
+    return [
+        REPO / p
+        for p in out
+        if p.endswith(keep) and not p.startswith("results/") and p != "tests/tooling/test_docs.py"
+    ]
+
+
+def test_the_readme_is_short_and_starts_with_the_routes():
+    """At most 130 lines; the set-up commands and the three routes come before the change table."""
+    lines = README.splitlines()
+    assert len(lines) <= 130, len(lines)
+    heads = [ln for ln in lines if ln.startswith("## ")]
+    assert heads[:4] == [
+        "## Set-up on a fresh machine (two commands)",
+        "## 1. Install it in place of `megatron-core`",
+        "## 2. Cherry-pick one fix onto your Megatron-LM",
+        "## 3. Build CI containers",
+    ], heads
+
+
+def test_no_document_names_a_left_form():
+    """Every tracked file outside results/ is free of the forms in STALE."""
+    found = []
+    for path in tracked_text_files():
+        text = path.read_text(errors="replace")
+        for pattern, why in STALE.items():
+            for m in re.finditer(pattern, text, re.M):
+                line = text.count("\n", 0, m.start()) + 1
+                found.append(f"{path.relative_to(REPO)}:{line}: {m.group(0)!r} ({why})")
+    assert not found, "\n".join(found)
+
+
+def test_the_readme_version_labels_count_the_carried_patches():
+    """`<base>+fork.N.g...` in the README: N is the length of that base's series."""
+    labels = re.findall(r"megatron-core (\d+\.\d+\.\d+)\+fork\.(\d+)\.g", README)
+    assert labels
+    for base, n in labels:
+        series = (REPO / "patches" / base / "series").read_text().split()
+        assert int(n) == len(series), (base, n, len(series))
+
+
+def test_every_path_the_readme_names_exists():
+    """Each `docs/...`, `tools/...`, `tests/...` or `patches/...` path in the README exists."""
+    for rel in set(re.findall(r"`((?:docs|tools|tests|patches)/[^`\s<>]+)`", README)):
+        if rel.endswith("/"):
+            continue
+        assert (REPO / rel).exists(), rel
+    for rel in re.findall(r"git am /path/to/fork/(\S+)", README):
+        assert (REPO / rel).is_file(), rel
+
+
+def test_every_document_is_reachable_from_the_docs_index():
+    """docs/README.md names every file in docs/, and each file it names exists."""
+    index = (REPO / "docs" / "README.md").read_text()
+    named = set(re.findall(r"`([\w.-]+\.(?:md|txt))`", index))
+    on_disk = {p.name for p in (REPO / "docs").iterdir() if p.name != "README.md"}
+    assert on_disk <= named, on_disk - named
+    assert {n for n in named if not n.startswith("..")} - {"README.md"} <= on_disk | {"README.md"}
+    assert "docs/README.md" in README and "docs/maintaining.md" in README
