@@ -65,7 +65,7 @@ def pytest_runtest_makereport(item, call):
         report.outcome = 'failed'
         report.longrepr = (
             f'{item.nodeid}: skipped outside the optional tiers ({text}); install what it names '
-            '(tools/install.sh --test-deps) or add the tier to tests/harness/tiers.py and README'
+            '(tools/install.sh --test-deps) or add the tier to tests/harness/tiers.py and docs/maintaining.md'
         )
     else:
         SKIPS[tier] += 1
@@ -74,7 +74,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_terminal_summary(terminalreporter):
     """Skips per tier; a rank that died takes its log with it on CI: print the tail it left."""
     if SKIPS:
-        terminalreporter.section('skips by optional tier (README "Test tiers")')
+        terminalreporter.section('skips by optional tier (docs/maintaining.md "Test tiers")')
         for tier, count in sorted(SKIPS.items()):
             terminalreporter.write_line(f'{count:5d}  {tier}: {tiers.TIERS[tier]}')
     log = os.environ.get('FORK_TEST_SKIP_LOG')

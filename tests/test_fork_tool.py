@@ -795,7 +795,7 @@ def test_patch_adding_an_upstream_layout_test_is_tracked_by_the_queue(sandbox):
 
 
 # Each error is one line that names the base, the patch, the file and the next thing to try,
-# with its documented exit code (README, "Exit codes").
+# with its documented exit code (docs/maintaining.md, exit codes).
 
 
 def _one_line(proc):

@@ -64,7 +64,7 @@ else
   fi
   # One capability below the native one: AVX512 -> avx2, else default. (torch 2.14.1's inductor
   # emits vectorized C++ it cannot compile under ATEN_CPU_CAPABILITY=default on an AVX512 CPU;
-  # README "Test tiers" says so.)
+  # docs/maintaining.md "Test tiers" says so.)
   native=$($py -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
   other=default
   [ "$native" = AVX512 ] && other=avx2

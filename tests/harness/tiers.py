@@ -3,7 +3,7 @@
 A tier needs something a fresh machine does not have (a Megatron-LM clone, GPUs, podman) or a
 base lacks the feature under test. Every skip names its tier as ``[tier NAME]`` at the start of
 its reason; tests/conftest.py turns any other skip into a failure and counts skips per tier at the
-end of the run. README.md ("Test tiers") lists the same tiers.
+end of the run. docs/maintaining.md ("Test tiers") lists the same tiers.
 """
 
 import pytest
