@@ -65,7 +65,8 @@ def pytest_runtest_makereport(item, call):
         report.outcome = 'failed'
         report.longrepr = (
             f'{item.nodeid}: skipped outside the optional tiers ({text}); install what it names '
-            '(tools/install.sh --test-deps) or add the tier to tests/harness/tiers.py and docs/maintaining.md'
+            '(tools/install.sh --test-deps) or add the tier to tests/harness/tiers.py and '
+            'docs/maintaining.md'
         )
     else:
         SKIPS[tier] += 1
