@@ -18,14 +18,13 @@ tools/install.sh --test-deps || exit $?
 py=.venv/bin/python
 default=$($py tools/fork.py base --default) || exit $?
 releases=$($py tools/fork.py base --releases) || exit $?
-# The counterfactual files: each arm runs the real upstream code of the selected base.
-counterfactual=(tests/test_ddp_calibration.py tests/test_warmup.py tests/test_warmup_pp.py tests/test_expert_grad_stats.py
-  tests/test_ddp_training.py tests/test_grad_ready_diagnostics.py tests/test_attention_sink_grad_stats.py
-  tests/test_param_norm.py tests/test_layer_wise_grad_stats.py tests/test_pretrain.py
-  tests/test_log_accounting.py tests/test_variable_microbatches.py tests/test_distopt_checkpoint.py
-  tests/test_expert_bias_grads.py tests/test_clip_grads_empty.py tests/test_mtp_per_token_loss.py
-  tests/test_layer_wise_param_norm.py tests/test_expert_gtp_grads.py tests/test_train_loop_hooks.py
-  tests/test_warmup_observed.py)
+# The counterfactual files (each arm runs the real upstream code of the selected base): the
+# top-level test files that patches/changes.toml names for its changes, one list for every job.
+mapfile -t counterfactual < <($py tools/fork.py tests)
+if [ "${#counterfactual[@]}" = 0 ]; then
+  echo "tools/test.sh: tools/fork.py tests named no counterfactual file (patches/changes.toml)" >&2
+  exit 1
+fi
 # (test_expert_gtp_grads.py skips itself on bases without generalized TP: dev and 0.18.2.)
 # Every skip names an optional tier (tests/harness/tiers.py); the runs append theirs here.
 skip_log=$(mktemp)

@@ -172,6 +172,12 @@ def cmd_records(args, pin, ws):
     print("every generated file agrees with the change records")
 
 
+def cmd_tests(args, pin, ws):
+    """Print the counterfactual test files named by the change records, one a line (scripts)."""
+    for path in records_mod.counterfactual_files(records_mod.load(ws.patch_root)):
+        print(path)
+
+
 def cmd_status(args, pin, ws):
     """Print the change x base matrix."""
     names = args.base or ([] if args.rev else list(status_mod.DEFAULT_BASES))
@@ -288,6 +294,9 @@ def build_parser(ws):
     )
     p.add_argument("--write", action="store_true", help="rewrite the files that disagree")
     p.set_defaults(func=cmd_records)
+
+    p = sub.add_parser("tests", help="the counterfactual test files of the change records")
+    p.set_defaults(func=cmd_tests)
 
     p = sub.add_parser("status", help="matrix of every change against every base or ref")
     p.add_argument("--base", action="append", help="a pinned base (repeatable); default: all")

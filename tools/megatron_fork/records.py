@@ -330,6 +330,18 @@ def write(patch_root, pin):
     return written
 
 
+def counterfactual_files(changes):
+    """The counterfactual test files of all changes (``tests/test_*.py``, each once, in change
+    order): the files whose arms run pristine and fork, which ``tools/test.sh`` runs on every
+    maintained base and under a second ``ATEN_CPU_CAPABILITY``."""
+    files = []
+    for change in changes.values():
+        for path in change.tests:
+            if re.match(r"^tests/test_\w+\.py$", path) and path not in files:
+                files.append(path)
+    return files
+
+
 def render_rendered(rendered, changes):
     """Apply :func:`render_patch` to {entry: patch text} (``export``'s output)."""
     out = {}
