@@ -7,9 +7,9 @@ and bytes), so the label changes whenever the carried series changes. A dev buil
 hence ``bdist_wheel`` and ``pip install``) materializes it when it is missing (base:
 $MEGATRON_FORK_BASE, else the pin's default). Metadata commands (``--version``, ``egg_info``)
 never touch the tree: the version comes from the series files alone. The dataset
-helper ``helpers.cpp`` is compiled for the running Python. The package ``megatron_fork`` (our
-tooling) ships alongside, with a manifest of the base, its hashes and the applied patches, so that
-``megatron-fork verify`` can check an installation.
+helper ``helpers.cpp`` is compiled for the running Python. Of the package ``megatron_fork`` (our
+tooling) only the runtime verify ships, with a manifest of the base, its hashes and the applied
+patches, so that ``megatron-fork-verify`` can check an installation.
 """
 
 import json
@@ -109,8 +109,20 @@ class CleanBuildPerBase(build):
         super().run()
 
 
+# The modules of megatron_fork that the wheel ships.
+RUNTIME_MODULES = ("__init__", "manifest")
+
+
 class BuildPyWithManifest(build_py):
     """build_py that pins ``__version__`` and writes megatron_fork/manifest.json."""
+
+    def find_package_modules(self, package, package_dir):
+        """Of the tool's package, only the runtime verify (``manifest``) ships: the series tool
+        itself is for maintainers and runs from the checkout."""
+        modules = super().find_package_modules(package, package_dir)
+        if package == "megatron_fork":
+            modules = [m for m in modules if m[1] in RUNTIME_MODULES]
+        return modules
 
     def run(self):
         """Build, then pin the version line and write the manifest into the build tree."""
@@ -121,14 +133,15 @@ class BuildPyWithManifest(build_py):
             (Path(self.build_lib) / rel).unlink(missing_ok=True)
         info = Path(self.build_lib) / "megatron" / "core" / "package_info.py"
         info.write_text(info.read_text() + VERSION_LINE.format(VERSION))
-        data = manifest.build_manifest(self.build_lib, PIN, BASE, PATCHES, VERSION)
+        data = dist.build_manifest(self.build_lib, PIN, BASE, PATCHES, VERSION)
         out = Path(self.build_lib) / "megatron_fork" / manifest.MANIFEST_NAME
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def packages():
-    """The packages the wheel ships: upstream's megatron.core and megatron.training, our tool."""
+    """The packages the wheel ships: upstream's megatron.core and megatron.training, and the
+    runtime verify of ``megatron_fork`` (RUNTIME_MODULES)."""
     return find_namespace_packages(include=["megatron.core*", "megatron.training*"]) + [
         "megatron_fork"
     ]

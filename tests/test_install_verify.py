@@ -70,6 +70,22 @@ def verify(env=None, args=()):
     )
 
 
+def test_the_wheel_ships_megatron_and_only_the_runtime_verify(installed):
+    """Of the tool, the install holds the verify module and its manifest; the series tool (cli,
+    queue, records, rebase, ...) runs from the checkout only."""
+    shipped = sorted(
+        p.name for p in (installed / "megatron_fork").iterdir() if p.name != "__pycache__"
+    )
+    assert shipped == ["__init__.py", "manifest.json", "manifest.py"], shipped
+    proc = subprocess.run(
+        [sys.executable, "-c", "import megatron_fork.manifest as m; print(sorted(m.__dict__))"],
+        cwd="/",
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_verify_passes_on_the_install_and_ships_no_test_redirect(installed):
     proc = verify()
     assert proc.returncode == 0, proc.stdout

@@ -19,7 +19,7 @@
 #     The pristine copy of each touched file is rebuilt by reverse-applying the series, so the
 #     tree must be materialized from the current patches/ (python tools/fork.py materialize).
 # No network access. Exit status: 0 clean (or fixed), 1 findings, 2 usage or setup error.
-# The gates themselves are tools/maint/autoformat.py; this wrapper checks the tools are installed.
+# The gates themselves are tools/autoformat.py; this wrapper checks the tools are installed.
 set -euo pipefail
 
 REPO_ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." &>/dev/null && pwd)
@@ -47,4 +47,4 @@ done
 cd "$REPO_ROOT"
 args=()
 [[ $CHECK == 1 ]] && args+=(--check)
-exec "$PY" tools/maint/autoformat.py "${args[@]}" --tree "$TREE"
+exec "$PY" tools/autoformat.py "${args[@]}" --tree "$TREE"

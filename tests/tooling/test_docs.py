@@ -83,3 +83,18 @@ def test_every_document_is_reachable_from_the_docs_index():
     assert on_disk <= named, on_disk - named
     assert {n for n in named if not n.startswith("..")} - {"README.md"} <= on_disk | {"README.md"}
     assert "docs/README.md" in README and "docs/maintaining.md" in README
+
+
+def test_every_maintainer_tool_has_a_line_and_a_test():
+    """tools/maint holds only tools that its README names, each with a test that exists."""
+    readme = (REPO / "tools" / "maint" / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| .* \| `(tests/[\w/.]+\.py)`", readme, re.M))
+    tools = {
+        p.name
+        for p in (REPO / "tools" / "maint").iterdir()
+        if p.is_file() and p.name != "README.md"
+    }
+    assert tools == set(rows), (tools, set(rows))
+    for tool, test in rows.items():
+        assert (REPO / test).is_file(), (tool, test)
+        assert tool in (REPO / test).read_text(), f"{test} does not exercise {tool}"

@@ -1,4 +1,5 @@
-"""The drop-in's distribution metadata: the requirements and extras of the upstream it replaces.
+"""The drop-in's distribution metadata: the requirements and extras of the upstream it replaces,
+and the install manifest that ``megatron-fork-verify`` checks.
 
 A user who installs ``megatron-core[te]`` or ``megatron-core[dev]`` against the fork must get what
 upstream's release declares, so the fork copies them from the pinned upstream itself: the
@@ -7,6 +8,7 @@ upstream's release declares, so the fork copies them from the pinned upstream it
 """
 
 import email.parser
+import hashlib
 import re
 import subprocess
 import tomllib
@@ -14,6 +16,8 @@ import zipfile
 from pathlib import Path
 
 from . import EXIT_UNAVAILABLE, ForkError, upstream
+from .manifest import sha256_file
+from .series import series_digest
 
 _EXTRA = re.compile(
     r"""^(?P<req>.*?)\s*;\s*(?:(?P<marker>.*?)\s+and\s+)?"""
@@ -104,3 +108,44 @@ def requirements_for(pin, base, wheel_dir=None, git_repo=None):
             EXIT_UNAVAILABLE,
         )
     return from_pyproject(proc.stdout)
+
+
+def build_manifest(lib_root, pin, base_name, patches, fork_version):
+    """Describe an install: base, hashes, applied patches and every shipped megatron file.
+
+    Args:
+        lib_root: the directory that holds the ``megatron/`` being installed.
+        pin: the loaded pin.
+        base_name: the base the tree was built on.
+        patches: the applied patch objects, in order.
+        fork_version: the distribution version, e.g. ``0.18.2+fork.5``.
+    """
+    lib_root = Path(lib_root)
+    base = pin["bases"][base_name]
+    files = {
+        p.relative_to(lib_root).as_posix(): sha256_file(p)
+        for p in sorted(lib_root.glob("megatron/**/*"))
+        if p.is_file() and p.suffix in (".py", ".cpp", ".md", ".txt", ".json", ".yaml")
+    }
+    return {
+        "distribution": "megatron-core",
+        "version": fork_version,
+        "base": {
+            "name": base_name,
+            "wheel": base.get("wheel"),
+            "sha256": base.get("sha256"),
+            "commit": base.get("commit"),
+            "py_tree_sha256": base["py_tree_sha256"],
+        },
+        "series_sha256": series_digest(patches),
+        "cherry_pick_target": pin["bases"].get(pin.get("primary"), {}).get("commit"),
+        "patches": [
+            {
+                "name": p.name,
+                "sha256": hashlib.sha256(p.path.read_bytes()).hexdigest(),
+                "forwarded": p.forwarded,
+            }
+            for p in patches
+        ],
+        "files": files,
+    }

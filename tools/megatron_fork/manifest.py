@@ -1,4 +1,6 @@
-"""The install manifest (written at build time) and ``verify`` of an installed fork."""
+"""``verify`` of an installed fork against its manifest: the one module of ``megatron_fork`` that
+the wheel ships (``megatron-fork-verify``). Standard library only, no other module of the tool;
+the manifest itself is written at build time by ``dist.build_manifest``."""
 
 import hashlib
 import importlib.metadata
@@ -6,9 +8,6 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-
-from .series import series_digest
-from .upstream import sha256_file
 
 MANIFEST_NAME = "manifest.json"
 # Names that only the test suite's CUDA-on-CPU redirect uses; none may ever ship.
@@ -19,45 +18,13 @@ TEST_ONLY_MARKERS = ("cpu_redirect", "tests/harness")
 OWNED_PACKAGES = ("megatron/core/", "megatron/training/")
 
 
-def build_manifest(lib_root, pin, base_name, patches, fork_version):
-    """Describe an install: base, hashes, applied patches and every shipped megatron file.
-
-    Args:
-        lib_root: the directory that holds the ``megatron/`` being installed.
-        pin: the loaded pin.
-        base_name: the base the tree was built on.
-        patches: the applied patch objects, in order.
-        fork_version: the distribution version, e.g. ``0.18.2+fork.5``.
-    """
-    lib_root = Path(lib_root)
-    base = pin["bases"][base_name]
-    files = {
-        p.relative_to(lib_root).as_posix(): sha256_file(p)
-        for p in sorted(lib_root.glob("megatron/**/*"))
-        if p.is_file() and p.suffix in (".py", ".cpp", ".md", ".txt", ".json", ".yaml")
-    }
-    return {
-        "distribution": "megatron-core",
-        "version": fork_version,
-        "base": {
-            "name": base_name,
-            "wheel": base.get("wheel"),
-            "sha256": base.get("sha256"),
-            "commit": base.get("commit"),
-            "py_tree_sha256": base["py_tree_sha256"],
-        },
-        "series_sha256": series_digest(patches),
-        "cherry_pick_target": pin["bases"].get(pin.get("primary"), {}).get("commit"),
-        "patches": [
-            {
-                "name": p.name,
-                "sha256": hashlib.sha256(p.path.read_bytes()).hexdigest(),
-                "forwarded": p.forwarded,
-            }
-            for p in patches
-        ],
-        "files": files,
-    }
+def sha256_file(path):
+    """Return the hex sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def installed_manifest():

@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 
 from . import EXIT_HASH, EXIT_UNAVAILABLE, EXIT_USAGE, ForkError
+from .manifest import sha256_file
 
 PIN_LABEL = "patches/upstream.toml"  # how messages name the pin (Workspace.pin_file)
 # Upstream files that are shipped in the wheel but are build products, not sources.
@@ -84,15 +85,6 @@ def series_base(pin, name):
     if name in pin.get("maintained", []):
         return name
     return base_entry(pin, name).get("series", pin["primary"])
-
-
-def sha256_file(path):
-    """Return the hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def py_tree_digest(root):

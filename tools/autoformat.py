@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/
 from megatron_fork import ForkError, series, upstream  # noqa: E402  pylint: disable=C0413
 from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
