@@ -69,7 +69,7 @@ def rows(world):
     """(label, target, pristine kwargs, fork kwargs, minimum world) of every row.
 
     The kwargs are those of the test files' own calls, so the README's table test
-    (tests/test_readme_demo.py) reads results the suite computes anyway.
+    (tests/tooling/test_readme_demo.py) reads results the suite computes anyway.
     """
     warm = [
         ("warmup without finalize_model_grads, accumulation 1", 1, False),

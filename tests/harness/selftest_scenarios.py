@@ -1,4 +1,4 @@
-"""Scenarios used by tests/test_harness.py to check the harness itself."""
+"""Scenarios used by tests/tooling/test_harness.py to check the harness itself."""
 
 import torch
 import torch.distributed as dist

@@ -29,6 +29,8 @@ def copy(tmp_path):
     shutil.copytree(REPO / "tools", root / "tools", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "patches", root / "patches")
     shutil.copy(REPO / "README.md", root / "README.md")
+    (root / "tests").mkdir()
+    shutil.copy(REPO / "tests" / "README.md", root / "tests" / "README.md")
     return root
 
 
@@ -68,6 +70,9 @@ def test_the_committed_files_agree_with_the_records():
     for c in changes.values():
         for path in c.tests + c.docs:
             assert (REPO / path).is_file(), f"{c.slug}: {path} does not exist"
+    # Every regression test file at the top of tests/ pins some change.
+    top = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}
+    assert top == set(records.counterfactual_files(changes))
 
 
 P18, P19, DEV = "patches/0.18.2", "patches/0.19.2", "patches/dev"
@@ -76,6 +81,11 @@ HAND_EDITS = {
         "README.md",
         "| 0013 `ddp-grad-ready-microbatch-count` | with",
         "| 0013 `ddp-grad-ready-microbatch-count` | With",
+    ),
+    "tests-readme": (
+        "tests/README.md",
+        "| 0021 `expert-gtp-grad-sync` | `tests/test_expert_gtp_grads.py` |",
+        "| 0021 `expert-gtp-grad-sync` | |",
     ),
     "forwarded": (
         f"{P18}/fork/0008-attention-sink-offset-tensor-parallel.patch",
@@ -109,7 +119,7 @@ def test_a_hand_edit_of_a_generated_place_fails_records_and_check(copy, target, 
     proc = fork(copy, "records")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"1 file(s) disagree with patches/changes.toml: {target}" in proc.stderr
-    base = target.split("/")[1] if target.startswith("patches/") else "0.18.2"
+    base = target.split("/")[1] if target.startswith("patches/") else "0.18.2"  # README: any
     proc = fork(copy, "check", "--base", base, "--offline", "--wheel-dir", str(copy / "none"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{target} disagrees with patches/changes.toml" in proc.stderr

@@ -7,7 +7,8 @@ records the tool writes:
 
 - the trailer block of every patch of every base (and, for a backport, its upstream author in
   ``From:`` and the ``commit <sha> upstream.`` line that opens its message);
-- the README's change table between ``<!-- changes -->`` markers.
+- the README's change table between ``<!-- changes -->`` markers, and tests/README.md's map from
+  each change to its tests.
 
 ``drift`` names every place that disagrees with the records; ``check`` fails on it, and
 ``tools/fork.py records --write`` rewrites those places. Only the standard library is used.
@@ -31,6 +32,10 @@ README_BEGIN = (
     "<!-- changes: generated from patches/changes.toml by `tools/fork.py records --write` -->"
 )
 README_END = "<!-- /changes -->"
+TESTS_BEGIN = (
+    "<!-- change-tests: generated from patches/changes.toml by `tools/fork.py records --write` -->"
+)
+TESTS_END = "<!-- /change-tests -->"
 
 _KEYS = {
     "number": int,
@@ -268,6 +273,15 @@ def readme_table(changes, bases):
     return lines
 
 
+def tests_table(changes):
+    """tests/README.md's map from each change to its tests (markdown lines, markers excluded)."""
+    lines = ["| change | its tests |", "|---|---|"]
+    for c in changes.values():
+        tests = ", ".join(f"`{path}`" for path in c.tests)
+        lines.append(f"| {c.number:04d} `{c.slug}` | {tests} |")
+    return lines
+
+
 def _replace_block(text, begin, end, lines, where):
     if text.count(begin) != 1 or text.count(end) != 1:
         raise ForkError(f"{where} needs exactly one {begin} and one {end} line", EXIT_USAGE)
@@ -305,6 +319,11 @@ def plan(patch_root, pin):
             have,
             _replace_block(have, README_BEGIN, README_END, table, "README.md"),
         )
+    tests_readme = patch_root.parent / "tests" / "README.md"
+    if tests_readme.is_file():
+        have = tests_readme.read_text()
+        want = _replace_block(have, TESTS_BEGIN, TESTS_END, tests_table(changes), "tests/README.md")
+        files["tests/README.md"] = (have, want)
     for base in pin["maintained"]:
         patch_dir = patch_root / base
         if not (patch_dir / "series").is_file():

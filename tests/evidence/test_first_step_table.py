@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'maint' / 'first_step_table.py'
 RESULTS = ROOT / 'results' / 'first-step-h200'
 

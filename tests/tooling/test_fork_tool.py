@@ -20,7 +20,7 @@ import pytest
 
 from tests.harness import tiers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TARGET = "megatron/core/distributed/distributed_data_parallel_config.py"
 BASE = "0.18.2"
 

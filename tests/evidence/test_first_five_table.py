@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / 'tools' / 'maint' / 'first_five_table.py'
+TOOL = pathlib.Path(__file__).resolve().parents[2] / 'tools' / 'maint' / 'first_five_table.py'
 
 
 def _log(path, times, skipped=(), losses=None, norms=None):

@@ -8,7 +8,7 @@ with a different interpreter or died with exit 127.
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUNS = 200
 
 

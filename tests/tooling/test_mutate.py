@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MUTATE = REPO / 'tools' / 'maint' / 'mutate.py'
 SOURCE = 'def guard(count, golden):\n    return count > golden\n'
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.harness import bases
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # tools/install.sh (and so tools/test.sh) installs the default base of patches/upstream.toml.
 BASE = bases.PIN["default"]
 PRISTINE = f"pristine-{BASE}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.harness import bases, launcher, tiers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location('fork_demo', REPO / 'tools' / 'demo.py')
 demo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(demo)

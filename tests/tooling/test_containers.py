@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import tiers
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIT = '.whl'  # the Dockerfile's default UPSTREAM_WHEEL_DIR, gitignored
 TAG = 'localhost/megatron-fork-test'
 

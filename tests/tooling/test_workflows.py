@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKFLOWS = os.path.join(REPO, '.github', 'workflows')
 SCHEMA = os.path.join(REPO, 'tests', 'vendor', 'github-workflow.json')
 SCHEMA_README = os.path.join(REPO, 'tests', 'vendor', 'README.md')
