@@ -136,7 +136,8 @@ def cmd_check(args, pin, ws):
         if base not in pin["maintained"]:
             raise ForkError(f"{base} is not a maintained base ({', '.join(pin['maintained'])})", 2)
         if upstream.is_git_base(pin, base) and not args.git_repo:
-            check_mod.check_metadata(pin, base, ws)  # what needs no upstream tree, still
+            if (ws.patch_dir(base) / "series").is_file():
+                check_mod.check_metadata(pin, base, ws)  # what needs no upstream tree, still
             if args.base:
                 raise ForkError(f"check --base {base} needs --git-repo PATH-TO-Megatron-LM", 4)
             skipped.append(base)
