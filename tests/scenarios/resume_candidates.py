@@ -137,12 +137,18 @@ def _step(module, ddp, optimizer, step):
     assert ok
 
 
-def _model_state(module, dp_rank):
-    """The model params as replicated ShardedTensors (keep_vars, so the optimizer finds them)."""
+def _model_state(module, dp_rank, copies=False):
+    """The model params as replicated ShardedTensors: the params themselves (keep_vars, what the
+    optimizer's sharded_state_dict needs) or, with ``copies``, detached copies (what the model part
+    of a checkpoint saves and loads)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     return {
-        name: ShardedTensor.from_rank_offsets(f'model.{name}', param, replica_id=(0, 0, dp_rank))
+        name: ShardedTensor.from_rank_offsets(
+            f'model.{name}',
+            param.detach().clone() if copies else param,
+            replica_id=(0, 0, dp_rank),
+        )
         for name, param in module.named_parameters()
     }
 
@@ -392,7 +398,7 @@ def _round_trip(ctx, case, root):
 
     state, result['save_error'], failed = _stage(
         lambda: {
-            'model': _model_state(module_a, dp_rank),
+            'model': _model_state(module_a, dp_rank, copies=True),
             'optimizer': opt_a.sharded_state_dict(
                 _model_state(module_a, dp_rank), metadata=metadata
             ),
@@ -413,7 +419,7 @@ def _round_trip(ctx, case, root):
         _step(module_b, ddp_b, opt_b, 100 + step)
     state, result['load_error'], failed = _stage(
         lambda: {
-            'model': _model_state(module_b, dp_rank),
+            'model': _model_state(module_b, dp_rank, copies=True),
             'optimizer': opt_b.sharded_state_dict(
                 _model_state(module_b, dp_rank), is_loading=True, metadata=metadata
             ),
