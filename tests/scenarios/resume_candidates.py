@@ -166,6 +166,13 @@ def _stage(fn):
     return value, error, any(errors)
 
 
+def _any(error):
+    """Whether any rank reports an error."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return any(errors)
+
+
 def _save(ctx, state, ckpt):
     """dist_checkpointing.save on every rank; this rank's error (None if saved)."""
     from megatron.core import dist_checkpointing
@@ -406,10 +413,12 @@ def _round_trip(ctx, case, root):
     )
     if not failed:
         result['save_error'] = _save(ctx, state, ckpt)
-    if ctx.rank == 0 and os.path.exists(os.path.join(ckpt, 'common.pt')):
+        failed = _any(result['save_error'])
+    if not failed and ctx.rank == 0:
+        # Where the distributed optimizer's per-bucket lists went: the common (rank 0) state.
         common = dist_checkpointing.load_common_state_dict(ckpt)
         result['common_param_state'] = _find_key(common, 'param_state')
-    if result['save_error'] is not None or failed:
+    if failed:
         result['files'] = sorted(os.listdir(ckpt))
         return result
 
