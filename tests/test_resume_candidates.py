@@ -73,6 +73,10 @@ SCHED_CASES = [
 # first, so the group-order map built over the buffers disagrees with the installed order
 # [fp32 shards, fp32 copies of bf16 shards]).
 MIXED = dict(sizes=[150, 100, 90], dtypes=['bf16', 'fp32', 'bf16'], dtype='bf16', bucket_size=None)
+# Buffer order: bf16 [p.2 at 0, p.0 at 64] (128), fp32 [p.1] (128): at world 2 each rank holds
+# 64 elements of one bf16 param and 64 of the fp32 one.
+SAME_SIZE = dict(sizes=[64, 128, 64], dtypes=['bf16', 'fp32', 'bf16'], dtype='bf16',
+                 bucket_size=None, steps=2)
 # 6: one large param and five small ones: rank 0's shard lies inside the large one (1 entry),
 # the last rank's shard spans the small ones.
 UNEVEN = dict(sizes=[3, 5, 7, 2, 9, 1000], dtype='bf16', bucket_size=None)
@@ -81,11 +85,15 @@ TORCH = dict(sizes=[70, 130, 90], dtype='bf16', bucket_size=None, steps=3)
 ROUND_W2 = [
     dict(name='c3_mixed_dp', sharding=DP, steps=2, **MIXED),
     dict(name='c3_mixed_fs', sharding=FS, steps=2, **MIXED),
+    # 3, silent: every rank's pieces of the fp32 param and of its bf16 param have one size, so the
+    # stale map swaps their state without a size error.
+    dict(name='c3_same_size_dp', sharding=DP, check_content=True, **SAME_SIZE),
+    dict(name='c3_same_size_fr', sharding=FR, check_content=True, **SAME_SIZE),
     dict(name='c3_fp32_dp', sharding=DP, steps=2, sizes=[150, 100, 90], dtype='fp32',
          bucket_size=None),
     # 5: the FusedAdam layout (control) and torch's Adam/AdamW, fresh and stepped loads.
-    dict(name='c5_fused_dp_fresh', sharding=DP, adam='fused', **TORCH),
-    dict(name='c5_fused_fr_fresh', sharding=FR, adam='fused', **TORCH),
+    dict(name='c5_fused_dp_fresh', sharding=DP, adam='fused', check_content=True, **TORCH),
+    dict(name='c5_fused_fr_fresh', sharding=FR, adam='fused', check_content=True, **TORCH),
     dict(name='c5_adam_dp_fresh', sharding=DP, adam='torch', **TORCH),
     dict(name='c5_adam_fr_fresh', sharding=FR, adam='torch', **TORCH),
     dict(name='c5_adam_dp_stepped', sharding=DP, adam='torch', load_steps=1, **TORCH),

@@ -418,6 +418,8 @@ def _round_trip(ctx, case, root):
         # Where the distributed optimizer's per-bucket lists went: the common (rank 0) state.
         common = dist_checkpointing.load_common_state_dict(ckpt)
         result['common_param_state'] = _find_key(common, 'param_state')
+    if not failed and case.get('check_content'):
+        result['content_wrong'] = _content_wrong(opt_a, module_a, case, ckpt)
     if failed:
         result['files'] = sorted(os.listdir(ckpt))
         return result
@@ -467,6 +469,53 @@ def _round_trip(ctx, case, root):
     )
     result['step_a_next'], result['step_b_next'] = _step_state(opt_a), _step_state(opt_b)
     return result
+
+
+def _content_wrong(optimizer, module, case, ckpt):
+    """Names of the params whose main param in the checkpoint is not the model param's value.
+
+    Every rank reads the whole checkpointed main-param tensors: per model param
+    (fully_reshardable) or per bucket, sliced by the buffer's param layout (dp_reshardable). A
+    model param is its main param cast to the param's dtype (both saved right after a step).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    rank = dist.get_rank()
+    names = {param: name for name, param in module.named_parameters()}
+    wanted, slices = {}, []
+    for distopt in _distopts(optimizer):
+        for g, buffer in enumerate(distopt.buffers):
+            for b, bucket in enumerate(buffer.buckets):
+                if case['sharding'] == 'dp_reshardable':
+                    dtype = (buffer.param_dtype, buffer.grad_dtype)
+                    key = (
+                        f'optimizer.distributed.dp_group_idx_{distopt.data_parallel_group_idx}'
+                        f'.gbuf_idx_{g}.dtype_{dtype}.bucket_idx_{b}.param'
+                    )
+                    wanted[key] = bucket.numel_unpadded
+                    offset = bucket.offset
+                    for param in bucket.params:
+                        start, end, _ = buffer.param_index_map[param]
+                        slices.append((key, start - offset, end - offset, param))
+                else:
+                    for param in bucket.params:
+                        key = f'optimizer.state.param.model.{names[param]}'
+                        wanted[key] = param.numel()
+                        slices.append((key, 0, param.numel(), param))
+    state = {
+        key: ShardedTensor.from_rank_offsets(
+            key, torch.empty(numel, dtype=torch.float32), replica_id=(0, 0, rank)
+        )
+        for key, numel in wanted.items()
+    }
+    loaded = dist_checkpointing.load(state, ckpt)
+    wrong = []
+    for key, start, end, param in slices:
+        value = loaded[key][start:end].to(param.dtype).reshape(param.shape)
+        if not torch.equal(value, param.detach()):
+            wrong.append(names[param])
+    return sorted(wrong)
 
 
 def _compare(saved, loaded):
