@@ -122,3 +122,227 @@ CALLS = {
     'w2': call(2, PRISTINE, ROUND, cases=ROUND_W2, timeout=300),
     'w4': call(4, PRISTINE, ROUND, cases=ROUND_W4, timeout=240),
 }
+
+
+def _cases(key):
+    """{case name: [per-rank result]} of one call; a rank or case error fails the test."""
+    out = {}
+    for rank, res in enumerate(CALLS[key].result()):
+        assert 'error' not in res, f'{key} rank {rank}: {res["error"]}'
+        for case in res['cases']:
+            assert 'error' not in case, f'{key} rank {rank} {case["name"]}: {case["error"]}'
+            out.setdefault(case['name'], []).append(case)
+    return out
+
+
+def _lrs(groups):
+    return [g['lr'] for g in groups]
+
+
+def _bounds(group):
+    return (group['lr'], group['max_lr'], group['min_lr'], group['weight_decay'])
+
+
+def _resumed_bitwise(per_rank):
+    """Saved and loaded without error, every local state tensor bitwise equal, and the next step
+    of the resumed run equal to the next step of the run that never stopped."""
+    for rank, res in enumerate(per_rank):
+        where = (res['name'], rank)
+        assert res['save_error'] is None and res['load_error'] is None, (where, res)
+        assert res['mismatches'] == [], (where, res['mismatches'])
+        assert res['next_step_equal'], (where, res['next_step_max_diff'])
+        assert res.get('content_wrong', []) == [], (where, res['content_wrong'])
+
+
+# ------------------------------------------------------------------------------------------
+# 1: --override-opt-param-scheduler with a new LR on resume.
+
+
+def test_c1_override_new_lr():
+    """Pristine keeps the checkpoint's group max_lr/min_lr: 0.18.2 runs the old schedule on (the
+    LR of the run that never stopped), 0.19.2 cannot pair the groups any more (its identifier
+    holds max_lr/min_lr since PR 4705) and raises KeyError; dev follows the new schedule."""
+    for res in _cases('sched')['c1_override_new_lr']:
+        assert res['save_error'] is None
+        a, b_built, c = res['run_a'], res['run_b_built'], res['run_c']
+        assert _lrs(a) != _lrs(c) and a[0]['max_lr'] != b_built[0]['max_lr']
+        if FIXED['override-scheduler']:
+            assert res['load_error'] is None
+            assert _lrs(res['run_b']) == _lrs(c)
+        elif BASE == '0.19.2':
+            error = res['load_error']
+            assert error.startswith('KeyError: ('), error
+            assert f', {b_built[0]["max_lr"]}, {b_built[0]["min_lr"]},' in error, error
+        else:
+            assert res['load_error'] is None
+            assert _lrs(res['run_b']) == _lrs(a)
+            assert [g['max_lr'] for g in res['run_b']] == [g['max_lr'] for g in a]
+
+
+def test_c1_override_new_group_lr():
+    """Per-module LR override changed on resume: only dev applies the new per-group bounds."""
+    for res in _cases('sched')['c1_override_new_group_lr']:
+        a, c = res['run_a'], res['run_c']
+        if FIXED['override-scheduler']:
+            assert res['load_error'] is None
+            assert [_bounds(g) for g in res['run_b']] == [_bounds(g) for g in c]
+        elif BASE == '0.19.2':
+            assert res['load_error'].startswith('KeyError: ('), res['load_error']
+        else:
+            # The old bounds, and both groups at the last saved group's (candidate 2 as well).
+            assert res['load_error'] is None
+            assert [_bounds(g) for g in res['run_b']] == [_bounds(a[-1])] * len(a)
+            assert _lrs(res['run_b']) != _lrs(c)
+
+
+# ------------------------------------------------------------------------------------------
+# 2: groups that differ only in max_lr/min_lr or start_wd/end_wd, resumed with the same args.
+
+
+def test_c2_group_collision():
+    """0.18.2 and dev pair the saved groups by (wd_mult, lr_mult, is_expert_parallel,
+    is_decoupled_lr): the last saved group's LR/WD bounds land on every group. 0.19.2 resumes
+    each group at the LR and WD of the run that never stopped."""
+    cases = _cases('sched')
+    for name in ('c2_group_lr', 'c2_group_lr_fr', 'c2_group_wd'):
+        for res in cases[name]:
+            assert res['save_error'] is None and res['load_error'] is None, res
+            a, b = res['run_a'], res['run_b']
+            assert _bounds(a[0]) != _bounds(a[1])
+            if FIXED['group-identifier']:
+                assert [_bounds(g) for g in b] == [_bounds(g) for g in a], name
+            else:
+                assert [_bounds(g) for g in b] == [_bounds(a[-1])] * len(a), name
+
+
+# ------------------------------------------------------------------------------------------
+# 3: one fp32 param among bf16 params in one param group.
+
+VIEW_ERROR = (
+    'RuntimeError: a view of a leaf Variable that requires grad is being used in an in-place'
+    ' operation.'
+)
+FLAT_ERROR = 'CheckpointingException: ShardedTensor.flattened_range is not supported.'
+
+
+def test_c3_group_order_map():
+    """Before ceaa6c5d7e every local param of the mixed group maps to another param's main
+    param (the order map follows the buffers, the group holds fp32 shards first)."""
+    cases = _cases('w2')
+    for name in ('c3_mixed_dp', 'c3_same_size_fr'):
+        for res in cases[name]:
+            [[wrong, total]] = res['map_wrong']
+            assert total > 0 and wrong == (0 if FIXED['mixed-dtype'] else total), (name, res)
+
+
+def test_c3_mixed_saves():
+    cases = _cases('w2')
+    if FIXED['mixed-dtype']:
+        for name in ('c3_mixed_dp', 'c3_mixed_fr', 'c3_same_size_dp', 'c3_same_size_fr'):
+            _resumed_bitwise(cases[name])
+        return
+    # Sizes differ: dp_reshardable asserts on the shape, fully_reshardable fails the copy.
+    dp = [res['save_error'] for res in cases['c3_mixed_dp']]
+    assert dp == ['AssertionError: (torch.Size([64]), 0, 90)', 'AssertionError: (torch.Size([36]), 0, 86)']
+    fr = [res['save_error'] for res in cases['c3_mixed_fr']]
+    size = 'RuntimeError: The size of tensor a ({}) must match the size of tensor b ({}) at non-singleton dimension 0'
+    assert fr == [size.format(90, 64), size.format(86, 36)]
+    # Sizes agree: the fully_reshardable save succeeds with every param's state swapped; a resume
+    # at the same layout swaps it back (bitwise), any other reader gets the wrong state.
+    for res in cases['c3_same_size_fr']:
+        assert res['save_error'] is None and res['load_error'] is None
+        assert res['content_wrong'] == ['p.0', 'p.1', 'p.2']
+        assert res['mismatches'] == [] and res['next_step_equal']
+
+
+def test_c3_fp32_dp_reshardable_load():
+    """dp_reshardable load into fp32 main params (autograd views of the model params)."""
+    cases = _cases('w2')
+    for name in ('c3_fp32_dp', 'c3_same_size_dp'):
+        if FIXED['mixed-dtype']:
+            _resumed_bitwise(cases[name])
+        else:
+            assert [res['load_error'] for res in cases[name]] == [VIEW_ERROR] * 2, name
+
+
+def test_c3_fs_model_space_unusable():
+    """fully_sharded_model_space cannot be saved at all on any base (independent of 3)."""
+    assert [res['save_error'] for res in _cases('w2')['c3_mixed_fs']] == [FLAT_ERROR] * 2
+
+
+# ------------------------------------------------------------------------------------------
+# 4: a rank whose dp_reshardable shard lies inside the 64-alignment gap between two params.
+
+
+def test_c4_alignment_gap():
+    cases = _cases('w4')
+    per_rank = cases['c4_gap_dp']
+    # One 128-element bucket without end padding; rank 1 holds no param.
+    assert per_rank[0]['geometry'] == [[[128, 128]]]
+    assert [res['local_params'] for res in per_rank] == [[[[1]]], [[[0]]], [[[1]]], [[[1]]]]
+    errors = [res['save_error'] for res in per_rank]
+    assert errors == [None, 'AssertionError: empty bucket encountered', None, None]
+    assert all(res['files'] == [] for res in per_rank)  # the save never started
+    _resumed_bitwise(cases['c4_gap_fr'])  # the same geometry, fully_reshardable
+
+
+# ------------------------------------------------------------------------------------------
+# 5: torch's Adam/AdamW state through the distributed optimizer's save/load.
+
+
+def test_c5_fused_layout_control():
+    """The FusedAdam layout resumes bitwise from a fresh optimizer (the harness path works)."""
+    cases = _cases('w2')
+    for name in ('c5_fused_dp_fresh', 'c5_fused_fr_fresh'):
+        _resumed_bitwise(cases[name])
+
+
+def test_c5_torch_adam_fresh_load():
+    """A restarted process (optimizer never stepped) cannot even build the load template:
+    DistributedOptimizer.state_dict asserts one step over an empty per-param state."""
+    cases = _cases('w2')
+    for name in ('c5_adam_dp_fresh', 'c5_adam_fr_fresh'):
+        for res in cases[name]:
+            assert (res['load_stage'], res['load_error']) == ('sharded_state_dict', 'AssertionError')
+
+
+def test_c5_torch_adam_dp_reshardable_step():
+    """dp_reshardable restores the loading optimizer's own step count, and every local param
+    then shares one step tensor that each step increments once per param."""
+    cases = _cases('w2')
+    for case in ROUND_W2:
+        if case['name'] not in ('c5_adam_dp_stepped', 'c5_adamw_dp_stepped'):
+            continue
+        for res in cases[case['name']]:
+            assert res['save_error'] is None and res['load_error'] is None
+            assert {m['key'].rsplit('.', 1)[1] for m in res['mismatches']} == {'step'}
+            assert {(m['saved'], m['loaded']) for m in res['mismatches']} == {
+                (case['steps'], case['load_steps'])
+            }
+            assert not res['next_step_equal']
+            n = len(res['step_b']['steps'])
+            assert res['step_b']['shared_step_tensor'] == (n > 1)
+            assert res['step_b_next']['steps'] == [case['load_steps'] + n] * n
+            assert res['step_a_next']['steps'] == [case['steps'] + 1] * n
+
+
+def test_c5_torch_adam_fully_reshardable_load():
+    cases = _cases('w2')
+    for name in ('c5_adam_fr_stepped', 'c5_adamw_fr_stepped'):
+        assert [res['load_error'] for res in cases[name]] == ["KeyError: 'step'"] * 2, name
+
+
+# ------------------------------------------------------------------------------------------
+# 6: dp_reshardable resume with uneven params (per-rank list lengths differ).
+
+
+def test_c6_uneven_not_reproduced():
+    """Rank 0 holds 1 param of the bucket, the last rank 4-6: the per-bucket lists never reach the
+    common state (rank 0's read of it has no 'param_state'), and the resume is bitwise."""
+    cases = {**_cases('w2'), **_cases('w4')}
+    for name in ('c6_uneven_dp', 'c6_uneven_chained', 'c6_uneven_dp_w4'):
+        per_rank = cases[name]
+        counts = [res['local_params'][0][0][0] for res in per_rank]
+        assert counts[0] == 1 and counts[-1] >= 4, (name, counts)
+        assert per_rank[0]['common_param_state'] == []
+        _resumed_bitwise(per_rank)
