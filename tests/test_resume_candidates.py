@@ -75,8 +75,9 @@ SCHED_CASES = [
 MIXED = dict(sizes=[150, 100, 90], dtypes=['bf16', 'fp32', 'bf16'], dtype='bf16', bucket_size=None)
 # Buffer order: bf16 [p.2 at 0, p.0 at 64] (128), fp32 [p.1] (128): at world 2 each rank holds
 # 64 elements of one bf16 param and 64 of the fp32 one.
-SAME_SIZE = dict(sizes=[64, 128, 64], dtypes=['bf16', 'fp32', 'bf16'], dtype='bf16',
-                 bucket_size=None, steps=2)
+SAME_SIZE = dict(
+    sizes=[64, 128, 64], dtypes=['bf16', 'fp32', 'bf16'], dtype='bf16', bucket_size=None, steps=2
+)
 # 6: one large param and five small ones: rank 0's shard lies inside the large one (1 entry),
 # the last rank's shard spans the small ones.
 UNEVEN = dict(sizes=[3, 5, 7, 2, 9, 1000], dtype='bf16', bucket_size=None)
@@ -89,8 +90,14 @@ ROUND_W2 = [
     # stale map swaps their state without a size error.
     dict(name='c3_same_size_dp', sharding=DP, check_content=True, **SAME_SIZE),
     dict(name='c3_same_size_fr', sharding=FR, check_content=True, **SAME_SIZE),
-    dict(name='c3_fp32_dp', sharding=DP, steps=2, sizes=[150, 100, 90], dtype='fp32',
-         bucket_size=None),
+    dict(
+        name='c3_fp32_dp',
+        sharding=DP,
+        steps=2,
+        sizes=[150, 100, 90],
+        dtype='fp32',
+        bucket_size=None,
+    ),
     # 5: the FusedAdam layout (control) and torch's Adam/AdamW, fresh and stepped loads.
     dict(name='c5_fused_dp_fresh', sharding=DP, adam='fused', check_content=True, **TORCH),
     dict(name='c5_fused_fr_fresh', sharding=FR, adam='fused', check_content=True, **TORCH),
@@ -103,8 +110,15 @@ ROUND_W2 = [
     # 6: uneven params, dp_reshardable, one optimizer and a chained (dense + expert) one.
     dict(name='c6_uneven_dp', sharding=DP, steps=2, **UNEVEN),
     dict(name='c6_uneven_dp_torch', sharding=DP, steps=2, adam='torch', load_steps=1, **UNEVEN),
-    dict(name='c6_uneven_chained', sharding=DP, steps=2, sizes=[3, 5, 7, 2, 9, 1000, 6, 700],
-         expert=[6, 7], dtype='bf16', bucket_size=None),
+    dict(
+        name='c6_uneven_chained',
+        sharding=DP,
+        steps=2,
+        sizes=[3, 5, 7, 2, 9, 1000, 6, 700],
+        expert=[6, 7],
+        dtype='bf16',
+        bucket_size=None,
+    ),
     # 3, last (a failing save may leave the world less tidy): fully_reshardable.
     dict(name='c3_mixed_fr', sharding=FR, steps=2, **MIXED),
 ]
@@ -243,9 +257,15 @@ def test_c3_mixed_saves():
         return
     # Sizes differ: dp_reshardable asserts on the shape, fully_reshardable fails the copy.
     dp = [res['save_error'] for res in cases['c3_mixed_dp']]
-    assert dp == ['AssertionError: (torch.Size([64]), 0, 90)', 'AssertionError: (torch.Size([36]), 0, 86)']
+    assert dp == [
+        'AssertionError: (torch.Size([64]), 0, 90)',
+        'AssertionError: (torch.Size([36]), 0, 86)',
+    ]
     fr = [res['save_error'] for res in cases['c3_mixed_fr']]
-    size = 'RuntimeError: The size of tensor a ({}) must match the size of tensor b ({}) at non-singleton dimension 0'
+    size = (
+        'RuntimeError: The size of tensor a ({}) must match the size of tensor b ({}) at'
+        ' non-singleton dimension 0'
+    )
     assert fr == [size.format(90, 64), size.format(86, 36)]
     # Sizes agree: the fully_reshardable save succeeds with every param's state swapped; a resume
     # at the same layout swaps it back (bitwise), any other reader gets the wrong state.
@@ -303,7 +323,10 @@ def test_c5_torch_adam_fresh_load():
     cases = _cases('w2')
     for name in ('c5_adam_dp_fresh', 'c5_adam_fr_fresh'):
         for res in cases[name]:
-            assert (res['load_stage'], res['load_error']) == ('sharded_state_dict', 'AssertionError')
+            assert (res['load_stage'], res['load_error']) == (
+                'sharded_state_dict',
+                'AssertionError',
+            )
 
 
 def test_c5_torch_adam_dp_reshardable_step():

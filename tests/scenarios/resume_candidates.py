@@ -145,9 +145,7 @@ def _model_state(module, dp_rank, copies=False):
 
     return {
         name: ShardedTensor.from_rank_offsets(
-            f'model.{name}',
-            param.detach().clone() if copies else param,
-            replica_id=(0, 0, dp_rank),
+            f'model.{name}', param.detach().clone() if copies else param, replica_id=(0, 0, dp_rank)
         )
         for name, param in module.named_parameters()
     }
@@ -351,7 +349,11 @@ def _map_check(optimizer):
 def _local_counts(optimizer):
     """Per optimizer, buffer and bucket: how many params this rank holds a piece of."""
     return [
-        [[len(r['param_map']) for r in ranges] for g in distopt.gbuf_ranges for ranges in g.values()]
+        [
+            [len(r['param_map']) for r in ranges]
+            for g in distopt.gbuf_ranges
+            for ranges in g.values()
+        ]
         for distopt in _distopts(optimizer)
     ]
 
