@@ -10,7 +10,7 @@ start), never a number measured once.
 """
 
 from tests.harness import call
-from tests.harness.bases import BASE, PRISTINE
+from tests.harness.bases import BASE, FORK, PRISTINE, upstream_has
 
 SCHED = 'tests.scenarios.resume_candidates:scenario_scheduler'
 ROUND = 'tests.scenarios.resume_candidates:scenario_round_trips'
@@ -24,7 +24,7 @@ FIXED = {
     'group-identifier': BASE == '0.19.2',
     # ceaa6c5d7e (PR 5835): group-order map rebuilt for mixed fp32/16-bit groups; load copies
     # under no_grad.
-    'mixed-dtype': BASE == 'dev',
+    'mixed-dtype': upstream_has('distopt-mixed-dtype-group-state'),
 }
 
 # Three plain params; p.1 gets a per-module override in the group-collision cases.
@@ -131,7 +131,12 @@ ROUND_W4 = [
     dict(name='c6_uneven_dp_w4', sharding=DP, steps=2, **UNEVEN),
 ]
 
+# The fork's arm of the shipped fixes: 0022 (distopt-mixed-dtype-group-state).
+C3_NAMES = ('c3_mixed_dp', 'c3_same_size_dp', 'c3_same_size_fr', 'c3_fp32_dp', 'c3_mixed_fr')
+ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES]
+
 CALLS = {
+    'fork-w2': call(2, FORK, ROUND, cases=ROUND_FORK, timeout=300),
     'sched': call(2, PRISTINE, SCHED, cases=SCHED_CASES, timeout=240),
     'w2': call(2, PRISTINE, ROUND, cases=ROUND_W2, timeout=300),
     'w4': call(4, PRISTINE, ROUND, cases=ROUND_W4, timeout=240),
@@ -283,6 +288,21 @@ def test_c3_fp32_dp_reshardable_load():
             _resumed_bitwise(cases[name])
         else:
             assert [res['load_error'] for res in cases[name]] == [VIEW_ERROR] * 2, name
+
+
+def test_c3_fork_resumes_mixed_groups_bitwise():
+    """With 0022 every mixed fp32/bf16 group maps each param to its own state, saves with
+    dp_reshardable and fully_reshardable, writes each param's own state, and resumes bitwise
+    (every state tensor and the next step) on every base: the counterfactual of the pristine
+    failures above."""
+    cases = _cases('fork-w2')
+    assert sorted(cases) == sorted(C3_NAMES)
+    for name in C3_NAMES:
+        _resumed_bitwise(cases[name])
+    for name in ('c3_mixed_dp', 'c3_same_size_fr'):
+        for res in cases[name]:
+            [[wrong, total]] = res['map_wrong']
+            assert total > 0 and wrong == 0, (name, res['map_wrong'])
 
 
 def test_c3_fs_model_space_unusable():
