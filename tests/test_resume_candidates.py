@@ -131,9 +131,18 @@ ROUND_W4 = [
     dict(name='c6_uneven_dp_w4', sharding=DP, steps=2, **UNEVEN),
 ]
 
-# The fork's arm of the shipped fixes: 0022 (distopt-mixed-dtype-group-state).
+# The fork's arm of the shipped fixes: 0022 (distopt-mixed-dtype-group-state) and 0023
+# (distopt-torch-adam-step).
 C3_NAMES = ('c3_mixed_dp', 'c3_same_size_dp', 'c3_same_size_fr', 'c3_fp32_dp', 'c3_mixed_fr')
-ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES]
+C5_NAMES = (
+    'c5_adam_dp_fresh',
+    'c5_adam_fr_fresh',
+    'c5_adam_dp_stepped',
+    'c5_adamw_dp_stepped',
+    'c5_adam_fr_stepped',
+    'c5_adamw_fr_stepped',
+)
+ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES + C5_NAMES]
 
 CALLS = {
     'fork-w2': call(2, FORK, ROUND, cases=ROUND_FORK, timeout=300),
@@ -296,7 +305,7 @@ def test_c3_fork_resumes_mixed_groups_bitwise():
     (every state tensor and the next step) on every base: the counterfactual of the pristine
     failures above."""
     cases = _cases('fork-w2')
-    assert sorted(cases) == sorted(C3_NAMES)
+    assert sorted(cases) == sorted(C3_NAMES + C5_NAMES)
     for name in C3_NAMES:
         _resumed_bitwise(cases[name])
     for name in ('c3_mixed_dp', 'c3_same_size_fr'):
@@ -367,6 +376,22 @@ def test_c5_torch_adam_dp_reshardable_step():
             assert res['step_b']['shared_step_tensor'] == (n > 1)
             assert res['step_b_next']['steps'] == [case['load_steps'] + n] * n
             assert res['step_a_next']['steps'] == [case['steps'] + 1] * n
+
+
+def test_c5_fork_resumes_torch_adam_bitwise():
+    """With 0023, torch Adam and AdamW resume from dp_reshardable and fully_reshardable, into a
+    fresh optimizer (a restart) and into one that has stepped: every state tensor, the step
+    included, equals the saved one, the next step equals the run that never stopped, and each
+    param's step then advances by one. The counterfactual of the pristine tests of 5."""
+    cases = _cases('fork-w2')
+    for case in ROUND_W2:
+        if case['name'] not in C5_NAMES:
+            continue
+        for res in cases[case['name']]:
+            _resumed_bitwise([res])
+            n = len(res['step_a_next']['steps'])
+            assert res['step_b_next']['steps'] == [case['steps'] + 1] * n, res['step_b_next']
+            assert not res['step_b']['shared_step_tensor'], res['step_b']
 
 
 def test_c5_torch_adam_fully_reshardable_load():
