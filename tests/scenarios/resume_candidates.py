@@ -42,6 +42,7 @@ from tests.scenarios.distopt_checkpoint import (
     _error,
     _geometry,
     _release_writers,
+    _stage,
     _states,
     fused_adam,
 )
@@ -149,19 +150,6 @@ def _model_state(module, dp_rank, copies=False):
         )
         for name, param in module.named_parameters()
     }
-
-
-def _stage(fn):
-    """Run ``fn()`` on every rank; (value, this rank's error, whether any rank failed)."""
-    value, error = None, None
-    try:
-        value = fn()
-    except CHECKPOINT_ERRORS as exc:
-        traceback.print_exc()  # into the rank log
-        error = _error(exc)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return value, error, any(errors)
 
 
 def _any(error):
