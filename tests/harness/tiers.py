@@ -4,9 +4,10 @@ A tier needs something a fresh machine does not have (a Megatron-LM clone, GPUs,
 base lacks the feature under test. Every skip names its tier as ``[tier NAME]`` at the start of
 its reason; tests/conftest.py turns any other skip into a failure and counts skips per tier at the
 end of the run. docs/maintaining.md ("Test tiers") lists the same tiers.
-"""
 
-import pytest
+pytest is imported only where a test skips: the harness (and so tools/demo.sh, which installs
+no test dependencies) imports this module too.
+"""
 
 TIERS = {
     'megatron-lm': "upstream's own pretrain_gpt.py and Megatron-LM history: set FORK_MEGATRON_LM "
@@ -30,11 +31,15 @@ def reason(tier, detail):
 
 def skip(tier, detail):
     """Skip the running test as part of ``tier``."""
+    import pytest  # pylint: disable=import-outside-toplevel
+
     pytest.skip(reason(tier, detail))
 
 
 def skipif(condition, tier, detail):
     """A skipif mark for ``tier``."""
+    import pytest  # pylint: disable=import-outside-toplevel
+
     return pytest.mark.skipif(condition, reason=reason(tier, detail))
 
 

@@ -2,6 +2,7 @@
 every document is reachable from docs/README.md."""
 
 import re
+import sys
 import subprocess
 from pathlib import Path
 
@@ -98,3 +99,16 @@ def test_every_maintainer_tool_has_a_line_and_a_test():
     for tool, test in rows.items():
         assert (REPO / test).is_file(), (tool, test)
         assert tool in (REPO / test).read_text(), f"{test} does not exercise {tool}"
+
+
+def test_the_demo_imports_without_the_test_dependencies():
+    """tools/demo.sh installs no test dependencies: what tools/demo.py imports from the harness
+    must not need pytest (a fresh machine's demo failed with ModuleNotFoundError once)."""
+    code = (
+        "import sys; sys.modules['pytest'] = None; sys.path.insert(0, 'tools'); "
+        "import tests.harness, tests.harness.bases, tests.harness.registry; import demo"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
