@@ -2,8 +2,8 @@
 every document is reachable from docs/README.md."""
 
 import re
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
