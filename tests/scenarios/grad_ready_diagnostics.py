@@ -112,32 +112,12 @@ def _drain(ddp):
             group.grad_reduce_handle = None
 
 
-def scenario_missing_grad(
-    ctx, mode, dtype='fp32', distopt=True, steps=3, microbatches=2, bucket_size=None
-):
-    """Train ``steps`` steps with ``mode`` applied to the branch layer; report the first error.
-
-    Args:
-        mode: one of MODES.
-        dtype: 'fp32' or 'bf16'.
-        distopt: use the distributed optimizer (reduce-scatter) or not (all-reduce).
-        steps: training steps.
-        microbatches: microbatches per step (all but the last under no_sync).
-        bucket_size: DDP bucket size in elements (None: one bucket per buffer).
-
-    Returns:
-        dict: 'error' ('<Type>: <message>' or None), 'phase' ('zero_grad_buffer', 'forward_backward'
-        or 'optimizer') and 'step' of the error, 'grad_norms' of the steps that finished, and
-        'groups' (per bucket group: number of params and their names in DDP order).
-    """
+def _train(ctx, config, model, ddp, optimizer, mode, steps, microbatches, out):
+    """Run ``steps`` steps through the no-pipelining schedule, applying ``mode``'s change at
+    step 1; the first error ends the run and is recorded in ``out`` with its phase and step."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    parallel_state.initialize_model_parallel()
-    config, model, ddp, optimizer = _build(ctx, mode, dtype, distopt, bucket_size)
-    names = {p: n for n, p in model.named_parameters()}
-    out = {'error': None, 'phase': None, 'step': None, 'grad_norms': []}
-    out['groups'] = [sorted(names[p] for p in g.params) for g in _groups(ddp)]
     dp_rank = parallel_state.get_data_parallel_rank()
     if mode == 'undercount':
         config.no_sync_func = contextlib.nullcontext
@@ -170,6 +150,34 @@ def scenario_missing_grad(
             break
         out['grad_norms'].append(float(grad_norm))
     return out
+
+
+def scenario_missing_grad(
+    ctx, mode, dtype='fp32', distopt=True, steps=3, microbatches=2, bucket_size=None
+):
+    """Train ``steps`` steps with ``mode`` applied to the branch layer; report the first error.
+
+    Args:
+        mode: one of MODES.
+        dtype: 'fp32' or 'bf16'.
+        distopt: use the distributed optimizer (reduce-scatter) or not (all-reduce).
+        steps: training steps.
+        microbatches: microbatches per step (all but the last under no_sync).
+        bucket_size: DDP bucket size in elements (None: one bucket per buffer).
+
+    Returns:
+        dict: 'error' ('<Type>: <message>' or None), 'phase' ('zero_grad_buffer', 'forward_backward'
+        or 'optimizer') and 'step' of the error, 'grad_norms' of the steps that finished, and
+        'groups' (per bucket group: number of params and their names in DDP order).
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    config, model, ddp, optimizer = _build(ctx, mode, dtype, distopt, bucket_size)
+    names = {p: n for n, p in model.named_parameters()}
+    out = {'error': None, 'phase': None, 'step': None, 'grad_norms': []}
+    out['groups'] = [sorted(names[p] for p in g.params) for g in _groups(ddp)]
+    return _train(ctx, config, model, ddp, optimizer, mode, steps, microbatches, out)
 
 
 # A bucket group of several buckets: DDP with disable_bucketing=True puts every bucket of every
@@ -221,7 +229,6 @@ def scenario_wide_group(ctx, mode, steps=2, microbatches=2):
         finalize_model_grads,
     )
     from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import MegatronModule
 
     parallel_state.initialize_model_parallel()
@@ -260,33 +267,4 @@ def scenario_wide_group(ctx, mode, steps=2, microbatches=2):
         for group in _groups(ddp)
     ]
     out['shapes'] = {n: list(p.shape) for n, p in model.named_parameters()}
-    dp_rank = parallel_state.get_data_parallel_rank()
-    if mode == 'undercount':
-        config.no_sync_func = contextlib.nullcontext
-    for step in range(steps):
-        if step == 1 and mode == 'undercount':
-            config.no_sync_func = ddp.no_sync
-        if step == 1 and mode == 'skip_later':
-            model.net.use_branch = False
-        phase = 'zero_grad_buffer'
-        try:
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            phase = 'forward_backward'
-            get_forward_backward_func()(
-                forward_step_func=_forward_step,
-                data_iterator=rank_iterator(1234, step, microbatches, dp_rank, ctx.device),
-                model=[ddp],
-                num_microbatches=microbatches,
-                seq_length=1,
-                micro_batch_size=4,
-                forward_only=False,
-            )
-            phase = 'optimizer'
-            _, grad_norm, _ = optimizer.step()
-        except Exception as exc:  # noqa: BLE001 - the error is the result
-            out.update(error=f'{type(exc).__name__}: {exc}', phase=phase, step=step)
-            _drain(ddp)
-            break
-        out['grad_norms'].append(float(grad_norm))
-    return out
+    return _train(ctx, config, model, ddp, optimizer, mode, steps, microbatches, out)
