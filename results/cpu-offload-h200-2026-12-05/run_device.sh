@@ -1,0 +1,34 @@
+#!/bin/bash
+# Runs on the device machine from the repository root: unpacks build/devcarry/payload.tgz (the
+# trees), runs offload_repro.py on every tree, the dev unit tests on the dev trees (and the
+# release trees), and the mutants of 0040/0041; everything lands in $OUT/logs.tgz.
+set -u
+HERE=results/cpu-offload-h200-2026-12-05
+W=/tmp/w; L=/tmp/logs; mkdir -p $W $L /opt/data && touch /opt/data/.keep
+tar xzf build/devcarry/payload.tgz -C $W
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 PYTHONDONTWRITEBYTECODE=1
+(nvidia-smi -L; python3 -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.cuda.get_device_name(0))') > $L/env.txt 2>&1
+cat $L/env.txt
+TREES=${TREES:-"pristine-0.19.2 fork0023-0.19.2 fork-0.19.2 pristine-0.18.2 fork0023-0.18.2 fork-0.18.2 pristine-dev fork0023-dev fork-dev"}
+UT="tests/unit_tests/optimizer/test_cpu_offload_reload_model_params.py tests/unit_tests/dist_checkpointing/test_cpu_offload_step_round_trip.py"
+port=29600
+run_repro() {  # tree port
+  ( start=$(date +%s); PYTHONPATH=$W/trees/$1:$PWD MASTER_PORT=$2 timeout 400 python3 $HERE/offload_repro.py \
+      --out $L/repro-$1.json --tree-label $1 > $L/repro-$1.log 2>&1; echo "repro $1 rc=$? $(( $(date +%s)-start ))s" >> $L/summary.txt )
+}
+run_ut() {  # label megatron-tree port
+  local d=/tmp/ml-$1; rm -rf $d; cp -r $W/mltests $d; rm -rf $d/megatron; cp -r $2/megatron $d/megatron
+  ( cd $d; start=$(date +%s); MASTER_PORT=$3 timeout 400 python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
+      --basetemp=/tmp/bt-$1/a/b $UT > $L/ut-$1.log 2>&1; echo "ut $1 rc=$? $(( $(date +%s)-start ))s" >> $L/summary.txt )
+}
+# Mutants of the fork-dev tree.
+python3 $HERE/make_mutants.py $W/trees/fork-dev $W/mutants tools/maint/mutations/0040.toml tools/maint/mutations/0041.toml > $L/mutants.txt 2>&1
+jobs_list=()
+for t in $TREES; do port=$((port+1)); run_repro $t $port & done
+for t in pristine-dev fork0023-dev fork-dev pristine-0.19.2 fork-0.19.2 pristine-0.18.2 fork-0.18.2; do port=$((port+1)); run_ut $t $W/trees/$t $port & done
+wait
+for m in $(cut -d' ' -f1 $L/mutants.txt); do port=$((port+1)); run_ut mut-$m $W/mutants/$m $port & done
+wait
+cat $L/summary.txt
+grep -h "passed\|failed\|error" $L/ut-*.log | tail -40
+tar czf $OUT/logs.tgz -C $L .
