@@ -36,7 +36,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-SIZES = [2048, 130, 517, 64]
+SIZES = [2048, 64, 130, 2048]  # offload fraction 0.5 splits them between CPU and GPU
 FP32_INDEX = 1  # with fp32=True this param stays fp32 (a bf16 model with one fp32 param)
 
 
@@ -63,9 +63,7 @@ def _module(config, seed, fp32):
             self.p = torch.nn.ParameterList()
             for i, n in enumerate(SIZES):
                 dtype = torch.float32 if (fp32 and i == FP32_INDEX) else torch.bfloat16
-                self.p.append(
-                    torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype).cuda())
-                )
+                self.p.append(torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype).cuda()))
 
     return Params()
 
@@ -140,6 +138,13 @@ def _steps(optimizer):
     return {'values': values, 'distinct_tensors': len(ids)}
 
 
+def _split(optimizer):
+    """How many of the HybridDeviceOptimizer's params are offloaded (CPU) and kept (GPU)."""
+    _, hdo = _hdo(optimizer)
+    cpu = len(hdo.gpu_params_map_cpu_copy)
+    return {'cpu': cpu, 'gpu': sum(len(g['params']) for g in hdo.param_groups) - cpu}
+
+
 def _compare(a, b):
     """Bitwise comparison of two param dicts: names that differ and the max abs difference."""
     differ = [n for n in a if not torch.equal(a[n], b[n])]
@@ -201,6 +206,7 @@ def case_finetune(case, root):
     with torch.no_grad():
         for name, param in module.named_parameters():
             param.copy_(loaded[name])
+    result['split'] = _split(optimizer)
     optimizer.reload_model_params()
     result['model_after_load_equals_checkpoint'] = _compare(_params(module), loaded_weights)[
         'equal'
@@ -229,6 +235,7 @@ def case_resume(case, root):
     for step in (1, 2, 3):
         _step(a_module, a_ddp, a_opt, step)
     result['saved_steps'] = _steps(a_opt)
+    result['split'] = _split(a_opt)
     ckpt = os.path.join(root, 'full')
     os.makedirs(ckpt)
     state = {
@@ -276,8 +283,8 @@ def cases():
     out = []
     for pa in (True, False):
         for frac in (0.0, 0.5, 1.0):
-            for fp32 in (False, True):
-                out.append(dict(kind='finetune', pa=pa, frac=frac, fp32=fp32, layout='torch'))
+            out.append(dict(kind='finetune', pa=pa, frac=frac, fp32=False, layout='torch'))
+        out.append(dict(kind='finetune', pa=pa, frac=1.0, fp32=True, layout='torch'))
     out.append(dict(kind='finetune', pa=True, frac=1.0, fp32=False, overlap=True, layout='torch'))
     for pa in (True, False):
         for frac in (0.0, 0.5, 1.0):

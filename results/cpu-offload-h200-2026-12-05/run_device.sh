@@ -18,14 +18,14 @@ run_repro() {  # tree port
       --out $L/repro-$1.json --tree-label $1 > $L/repro-$1.log 2>&1; echo "repro $1 rc=$? $(( $(date +%s)-start ))s" >> $L/summary.txt )
 }
 run_ut() {  # label megatron-tree port
-  local d=/tmp/ml-$1; rm -rf $d; cp -r $W/mltests $d; rm -rf $d/megatron; cp -r $2/megatron $d/megatron
+  local d=/tmp/ml-$1; rm -rf $d; mkdir -p /tmp/bt-$1/a; cp -r $W/mltests $d; rm -rf $d/megatron; cp -r $2/megatron $d/megatron
   ( cd $d; start=$(date +%s); MASTER_PORT=$3 timeout 480 python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
       --basetemp=/tmp/bt-$1/a/b $UT > $L/ut-$1.log 2>&1; echo "ut $1 rc=$? $(( $(date +%s)-start ))s" >> $L/summary.txt )
 }
 # Mutants of the fork-dev tree.
 python3 $HERE/make_mutants.py $W/trees/fork-dev $W/mutants $SPECS/0040.toml $SPECS/0041.toml > $L/mutants.txt 2>&1
 for t in $TREES; do port=$((port+1)); run_repro $t $port & done
-for t in pristine-dev fork0023-dev fork-dev pristine-0.19.2 fork-0.19.2 pristine-0.18.2 fork-0.18.2; do port=$((port+1)); run_ut $t $W/trees/$t $port & done
+for t in pristine-dev fork0023-dev fork-dev pristine-0.19.2 fork0023-0.19.2 fork-0.19.2; do port=$((port+1)); run_ut $t $W/trees/$t $port & done
 for m in $(cut -d' ' -f1 $L/mutants.txt); do port=$((port+1)); run_ut mut-$m $W/mutants/$m $port & done
 wait
 cat $L/summary.txt

@@ -30,9 +30,8 @@ class Params(MegatronModule):
 
 @pytest.fixture
 def adam_layout(monkeypatch, request):
-    """'torch': no apex or Transformer Engine (torch's AdamW on the GPU too). 'te': the
-    distributed optimizer's apex/TE branches; every param is offloaded, so torch's AdamW on the
-    CPU is the only sub-optimizer."""
+    """'torch': no apex or Transformer Engine. 'te': the distributed optimizer's apex/TE
+    branches. Every param is offloaded, so torch's AdamW on the CPU is the only sub-optimizer."""
     import megatron.core.optimizer as optimizer_module
 
     torch_layout = request.param == 'torch'
@@ -44,7 +43,7 @@ def adam_layout(monkeypatch, request):
     return request.param
 
 
-def _model_and_optimizer(seed, steps, fraction):
+def _model_and_optimizer(seed, steps):
     config = TransformerConfig(
         num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
     )
@@ -61,7 +60,7 @@ def _model_and_optimizer(seed, steps, fraction):
             use_distributed_optimizer=True,
             use_precision_aware_optimizer=True,
             optimizer_cpu_offload=True,
-            optimizer_offload_fraction=fraction,
+            optimizer_offload_fraction=1.0,
             clip_grad=0.0,
         ),
         [model],
@@ -110,21 +109,18 @@ class TestCpuOffloadStepRoundTrip:
     def teardown_method(self, method):
         Utils.destroy_model_parallel()
 
-    @pytest.mark.parametrize(
-        'adam_layout, fraction', [('torch', 0.5), ('torch', 1.0), ('te', 1.0)], indirect=['adam_layout']
-    )
+    @pytest.mark.parametrize('adam_layout', ['torch', 'te'], indirect=True)
     @pytest.mark.parametrize('sharding', ['dp_reshardable', 'fully_reshardable'])
     @pytest.mark.parametrize('load_steps', [0, 1])
-    def test_resume_continues_the_run(
-        self, adam_layout, fraction, tmp_path_dist_ckpt, sharding, load_steps
-    ):
-        """Saved after 3 steps, loaded into a fresh (0) or a stepped (1) optimizer: every param
-        state has step 3, and the next steps equal the uninterrupted run's."""
+    def test_resume_continues_the_run(self, adam_layout, tmp_path_dist_ckpt, sharding, load_steps):
+        """Every param offloaded; saved after 3 steps, loaded into a fresh (0) or a stepped (1)
+        optimizer: every param state has step 3, and the next steps equal the uninterrupted
+        run's."""
         metadata = {'distrib_optim_sharding_type': sharding}
-        model_a, opt_a = _model_and_optimizer(seed=2, steps=3, fraction=fraction)
+        model_a, opt_a = _model_and_optimizer(seed=2, steps=3)
         with TempNamedDir(tmp_path_dist_ckpt / f'cpu_offload_step_{sharding}') as ckpt_dir:
             save(opt_a.sharded_state_dict(_model_state(model_a), metadata=metadata), ckpt_dir)
-            model_b, opt_b = _model_and_optimizer(seed=3, steps=load_steps, fraction=fraction)
+            model_b, opt_b = _model_and_optimizer(seed=3, steps=load_steps)
             template = opt_b.sharded_state_dict(
                 _model_state(model_b), is_loading=True, metadata=metadata
             )
