@@ -145,6 +145,24 @@ def _split(optimizer):
     return {'cpu': cpu, 'gpu': sum(len(g['params']) for g in hdo.param_groups) - cpu}
 
 
+def _state_devices(optimizer):
+    """Per sub-optimizer (gpu: the GPU one): its params' devices and its state tensors' devices."""
+    _, hdo = _hdo(optimizer)
+    out = []
+    for sub in hdo.sub_optimizers:
+        params = {str(p.device) for g in sub.param_groups for p in g['params']}
+        states = {
+            f'{k}:{v.device}'
+            for st in sub.state.values()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
+        out.append(
+            {'gpu': sub is hdo.gpu_optimizer, 'params': sorted(params), 'state': sorted(states)}
+        )
+    return out
+
+
 def _compare(a, b):
     """Bitwise comparison of two param dicts: names that differ and the max abs difference."""
     differ = [n for n in a if not torch.equal(a[n], b[n])]
@@ -270,6 +288,7 @@ def case_resume(case, root):
         result['error'] = {'stage': stage, **_error(exc)}
         return result
     result['loaded_steps'] = _steps(b_opt)
+    result['state_devices_after_load'] = _state_devices(b_opt)
     result['model_after_load'] = _compare(_params(b_module), _params(a_module))
     for step in (4, 5):
         _step(a_module, a_ddp, a_opt, step)
