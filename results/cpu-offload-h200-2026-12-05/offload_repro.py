@@ -292,7 +292,12 @@ def case_resume(case, root):
     result['model_after_load'] = _compare(_params(b_module), _params(a_module))
     for step in (4, 5):
         _step(a_module, a_ddp, a_opt, step)
-        _step(b_module, b_ddp, b_opt, step)
+        try:
+            _step(b_module, b_ddp, b_opt, step)
+        except Exception as exc:  # noqa: BLE001  (the symptom is the result)
+            traceback.print_exc()
+            result['error'] = {'stage': f'step{step}', **_error(exc)}
+            return result
         result[f'step{step}_vs_never_stopped'] = _compare(_params(b_module), _params(a_module))
         result[f'steps_after_step{step}'] = _steps(b_opt)
     return result
