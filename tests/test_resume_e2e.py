@@ -141,11 +141,14 @@ RESUMES['w4-fully']['ref'] = 'w4-fully'
 # DistributedOptimizer.state_dict() asserts one step over the fresh, empty state (a bare assert).
 # Candidate 3 (an fp32 param among bf16 ones) fails the fully_reshardable save itself. Plain DDP
 # resumes right.
+RESUME_ASSERTS = 'the resumed run, rank 0: AssertionError: '
 PRISTINE_RESUMES = {
-    'distopt-dp': 'the resumed run, rank 0: AssertionError: ',
+    'distopt-dp': RESUME_ASSERTS,
     'distopt-fully-fp32param': (
-        'the run stopped at K, rank 0: RuntimeError: The size of tensor a (128) must match the '
-        'size of tensor b (64) at non-singleton dimension 0'
+        RESUME_ASSERTS  # dev has candidate 3's fix (ceaa6c5d7e): candidate 5 stops it later
+        if bases.upstream_has('distopt-mixed-dtype-group-state')
+        else 'the run stopped at K, rank 0: RuntimeError: The size of tensor a (128) must match '
+        'the size of tensor b (64) at non-singleton dimension 0'
     ),
     'ddp': None,
 }
