@@ -145,6 +145,7 @@ C5_NAMES = (
 ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES + C5_NAMES]
 
 CALLS = {
+    'fork-sched': call(2, FORK, SCHED, cases=SCHED_CASES, timeout=240),
     'fork-w2': call(2, FORK, ROUND, cases=ROUND_FORK, timeout=300),
     'sched': call(2, PRISTINE, SCHED, cases=SCHED_CASES, timeout=240),
     'w2': call(2, PRISTINE, ROUND, cases=ROUND_W2, timeout=300),
@@ -241,6 +242,22 @@ def test_c2_group_collision():
                 assert [_bounds(g) for g in b] == [_bounds(g) for g in a], name
             else:
                 assert [_bounds(g) for g in b] == [_bounds(a[-1])] * len(a), name
+
+
+def test_c1_c2_fork_resumes_each_group():
+    """With 0024 (PR 5213), 0025 (PR 4705) and 0026 (the old identifier as fallback) on every
+    base: resumed with --override-opt-param-scheduler and new LRs, the optimizer loads and each
+    group has the LR and bounds of run C (built with the new arguments, never stopped); resumed
+    with the same arguments, each group keeps its own bounds, those of the run that never
+    stopped. The counterfactual of the pristine tests of 1 and 2 above."""
+    cases = _cases('fork-sched')
+    assert sorted(cases) == sorted(case['name'] for case in SCHED_CASES)
+    for name, per_rank in cases.items():
+        for res in per_rank:
+            assert res['save_error'] is None and res['load_error'] is None, (name, res)
+            expected = res['run_c'] if name.startswith('c1_') else res['run_a']
+            assert len({_bounds(g) for g in expected}) == len(expected), (name, expected)
+            assert [_bounds(g) for g in res['run_b']] == [_bounds(g) for g in expected], name
 
 
 # ------------------------------------------------------------------------------------------
