@@ -126,7 +126,27 @@ ROUND_W2 = [
 ROUND_W4 = [
     # 4: params [1, 64] in buffer order: 1 element at 0, the next param starts at 64 (aligned);
     # the 128-element bucket gives each of 4 ranks 32 elements: rank 1's [32, 64) is all gap.
-    dict(name='c4_gap_dp', sharding=DP, steps=2, sizes=[64, 1], dtype='bf16', bucket_size=None),
+    dict(
+        name='c4_gap_dp',
+        sharding=DP,
+        steps=2,
+        sizes=[64, 1],
+        dtype='bf16',
+        bucket_size=None,
+        check_content=True,
+    ),
+    # 4 with three buckets (buffer order [1, 64 | 256 | 1]): rank 1's part of the first bucket is
+    # all gap, it holds a piece of the second, and its part of the third lies past the unpadded
+    # end (saved as nothing, dropped by the load).
+    dict(
+        name='c4_gap_multi',
+        sharding=DP,
+        steps=2,
+        sizes=[1, 256, 64, 1],
+        dtype='bf16',
+        bucket_size=65,
+        check_content=True,
+    ),
     dict(name='c4_gap_fr', sharding=FR, steps=2, sizes=[64, 1], dtype='bf16', bucket_size=None),
     dict(name='c6_uneven_dp_w4', sharding=DP, steps=2, **UNEVEN),
 ]
@@ -143,10 +163,14 @@ C5_NAMES = (
     'c5_adamw_fr_stepped',
 )
 ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES + C5_NAMES]
+# 0027 (distopt-dp-reshardable-gap-shard).
+C4_NAMES = ('c4_gap_dp', 'c4_gap_multi', 'c6_uneven_dp_w4')
+ROUND_W4_FORK = [case for case in ROUND_W4 if case['name'] in C4_NAMES]
 
 CALLS = {
     'fork-sched': call(2, FORK, SCHED, cases=SCHED_CASES, timeout=240),
     'fork-w2': call(2, FORK, ROUND, cases=ROUND_FORK, timeout=300),
+    'fork-w4': call(4, FORK, ROUND, cases=ROUND_W4_FORK, timeout=240),
     'sched': call(2, PRISTINE, SCHED, cases=SCHED_CASES, timeout=240),
     'w2': call(2, PRISTINE, ROUND, cases=ROUND_W2, timeout=300),
     'w4': call(4, PRISTINE, ROUND, cases=ROUND_W4, timeout=240),
@@ -350,6 +374,25 @@ def test_c4_alignment_gap():
     assert errors == [None, 'AssertionError: empty bucket encountered', None, None]
     assert all(res['files'] == [] for res in per_rank)  # the save never started
     _resumed_bitwise(cases['c4_gap_fr'])  # the same geometry, fully_reshardable
+    multi = cases['c4_gap_multi']
+    assert [res['local_params'] for res in multi][1] == [[[0, 1, 0]]]
+    # Rank 1 fails on the gap bucket (pristine 0.18.2/0.19.2/dev lack 0015 too, so the ranks
+    # whose part of the last bucket is only bucket-end padding fail the same way).
+    assert multi[1]['save_error'] == errors[1]
+
+
+def test_c4_fork_saves_gap_shards():
+    """With 0027 the rank whose part of a bucket lies in the gap between two params saves a
+    padding entry for it: the save and the resume succeed, every state tensor and the next step
+    equal the run that never stopped, and the checkpoint holds each param's own main param; also
+    with a bucket past which the same rank holds only bucket-end padding, and for the geometry of
+    6 (no gap shard). The counterfactual of test_c4_alignment_gap."""
+    cases = _cases('fork-w4')
+    assert sorted(cases) == sorted(C4_NAMES)
+    for name in C4_NAMES:
+        _resumed_bitwise(cases[name])
+    for name in ('c4_gap_dp', 'c4_gap_multi'):
+        assert [res['content_wrong'] for res in cases[name]] == [[]] * 4, name
 
 
 # ------------------------------------------------------------------------------------------
