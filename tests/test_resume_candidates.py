@@ -44,6 +44,15 @@ SCHED_CASES = [
         resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
         **SMALL,
     ),
+    # 1: the resume adds a per-module LR override (a group the checkpoint does not have).
+    dict(
+        name='c1_override_added_group',
+        sharding=DP,
+        resume_lr=5e-3,
+        override_flag=True,
+        resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
+        **SMALL,
+    ),
     # 2: groups that differ only in max_lr/min_lr (resume with unchanged arguments).
     dict(
         name='c2_group_lr',
