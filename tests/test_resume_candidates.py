@@ -44,12 +44,15 @@ SCHED_CASES = [
         resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
         **SMALL,
     ),
-    # 1: the resume adds a per-module LR override (a group the checkpoint does not have).
+    # 1: the resume adds a per-module LR override (a group the checkpoint does not have). The
+    # saving run's override matches no param: config_overrides that is not None keeps weight
+    # decay on 1-D params in both runs (wd_mult 1.0), so only the LR bounds differ.
     dict(
         name='c1_override_added_group',
         sharding=DP,
         resume_lr=5e-3,
         override_flag=True,
+        overrides=[('*.none', {'max_lr': 1e-2})],
         resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
         **SMALL,
     ),
