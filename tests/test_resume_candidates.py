@@ -56,6 +56,15 @@ SCHED_CASES = [
         resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
         **SMALL,
     ),
+    # 1 without the flag: new per-group LRs, the checkpoint's schedule kept (each group its own).
+    dict(
+        name='c1_new_group_lr_checkpoint',
+        sharding=DP,
+        resume_lr=5e-3,
+        overrides=[(P1, {'max_lr': 2e-2, 'min_lr': 2e-3})],
+        resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
+        **SMALL,
+    ),
     # 2: groups that differ only in max_lr/min_lr (resume with unchanged arguments).
     dict(
         name='c2_group_lr',
@@ -285,13 +294,15 @@ def test_c1_c2_fork_resumes_each_group():
     base: resumed with --override-opt-param-scheduler and new LRs, the optimizer loads and each
     group has the LR and bounds of run C (built with the new arguments, never stopped); resumed
     with the same arguments, each group keeps its own bounds, those of the run that never
-    stopped. The counterfactual of the pristine tests of 1 and 2 above."""
+    stopped; resumed with new per-group LRs but the checkpoint's schedule, each group keeps its
+    own saved bounds. The counterfactual of the pristine tests of 1 and 2 above."""
     cases = _cases('fork-sched')
     assert sorted(cases) == sorted(case['name'] for case in SCHED_CASES)
+    override = {case['name'] for case in SCHED_CASES if case.get('override_flag')}
     for name, per_rank in cases.items():
         for res in per_rank:
             assert res['save_error'] is None and res['load_error'] is None, (name, res)
-            expected = res['run_c'] if name.startswith('c1_') else res['run_a']
+            expected = res['run_c'] if name in override else res['run_a']
             assert len({_bounds(g) for g in expected}) == len(expected), (name, expected)
             assert [_bounds(g) for g in res['run_b']] == [_bounds(g) for g in expected], name
 
