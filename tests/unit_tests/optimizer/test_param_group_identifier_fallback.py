@@ -51,6 +51,16 @@ class TestFilterAndReorder:
         saved = [_group(3e-2), _group(1e-2)]
         assert self._pair([_group(1e-2), _group(3e-2)], saved) == [1, 0]
 
+    def test_added_group_pairs_with_the_only_saved_group(self):
+        """Two current groups, one saved group of their old identifier (and one of another):
+        both take the saved group's fields, each with its own params."""
+        saved = [_group(1e-2), _group(1e-2, wd_mult=0.0)]
+        assert self._pair([_group(5e-3), _group(4e-3)], saved) == [0, 0]
+        final = MegatronOptimizer._filter_and_reorder_param_groups(
+            [_group(5e-3), _group(4e-3)], saved
+        )
+        assert [group['params'] for group in final] == [[0], [1]]
+
     def test_ambiguous_pairing_still_fails(self):
         saved = [_group(1e-2), _group(2e-2), _group(3e-2)]
         with pytest.raises(ValueError, match='Could not find parameter group'):
