@@ -44,6 +44,27 @@ SCHED_CASES = [
         resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
         **SMALL,
     ),
+    # 1: the resume adds a per-module LR override (a group the checkpoint does not have). The
+    # saving run's override matches no param: config_overrides that is not None keeps weight
+    # decay on 1-D params in both runs (wd_mult 1.0), so only the LR bounds differ.
+    dict(
+        name='c1_override_added_group',
+        sharding=DP,
+        resume_lr=5e-3,
+        override_flag=True,
+        overrides=[('*.none', {'max_lr': 1e-2})],
+        resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
+        **SMALL,
+    ),
+    # 1 without the flag: new per-group LRs, the checkpoint's schedule kept (each group its own).
+    dict(
+        name='c1_new_group_lr_checkpoint',
+        sharding=DP,
+        resume_lr=5e-3,
+        overrides=[(P1, {'max_lr': 2e-2, 'min_lr': 2e-3})],
+        resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
+        **SMALL,
+    ),
     # 2: groups that differ only in max_lr/min_lr (resume with unchanged arguments).
     dict(
         name='c2_group_lr',
@@ -126,7 +147,27 @@ ROUND_W2 = [
 ROUND_W4 = [
     # 4: params [1, 64] in buffer order: 1 element at 0, the next param starts at 64 (aligned);
     # the 128-element bucket gives each of 4 ranks 32 elements: rank 1's [32, 64) is all gap.
-    dict(name='c4_gap_dp', sharding=DP, steps=2, sizes=[64, 1], dtype='bf16', bucket_size=None),
+    dict(
+        name='c4_gap_dp',
+        sharding=DP,
+        steps=2,
+        sizes=[64, 1],
+        dtype='bf16',
+        bucket_size=None,
+        check_content=True,
+    ),
+    # 4 with three buckets (buffer order [1, 64 | 256 | 1]): rank 1's part of the first bucket is
+    # all gap, it holds a piece of the second, and its part of the third lies past the unpadded
+    # end (saved as nothing, dropped by the load).
+    dict(
+        name='c4_gap_multi',
+        sharding=DP,
+        steps=2,
+        sizes=[1, 256, 64, 1],
+        dtype='bf16',
+        bucket_size=65,
+        check_content=True,
+    ),
     dict(name='c4_gap_fr', sharding=FR, steps=2, sizes=[64, 1], dtype='bf16', bucket_size=None),
     dict(name='c6_uneven_dp_w4', sharding=DP, steps=2, **UNEVEN),
 ]
@@ -143,9 +184,14 @@ C5_NAMES = (
     'c5_adamw_fr_stepped',
 )
 ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES + C5_NAMES]
+# 0027 (distopt-dp-reshardable-gap-shard).
+C4_NAMES = ('c4_gap_dp', 'c4_gap_multi', 'c6_uneven_dp_w4')
+ROUND_W4_FORK = [case for case in ROUND_W4 if case['name'] in C4_NAMES]
 
 CALLS = {
+    'fork-sched': call(2, FORK, SCHED, cases=SCHED_CASES, timeout=240),
     'fork-w2': call(2, FORK, ROUND, cases=ROUND_FORK, timeout=300),
+    'fork-w4': call(4, FORK, ROUND, cases=ROUND_W4_FORK, timeout=240),
     'sched': call(2, PRISTINE, SCHED, cases=SCHED_CASES, timeout=240),
     'w2': call(2, PRISTINE, ROUND, cases=ROUND_W2, timeout=300),
     'w4': call(4, PRISTINE, ROUND, cases=ROUND_W4, timeout=240),
@@ -243,6 +289,24 @@ def test_c2_group_collision():
                 assert [_bounds(g) for g in b] == [_bounds(a[-1])] * len(a), name
 
 
+def test_c1_c2_fork_resumes_each_group():
+    """With 0024 (PR 5213), 0025 (PR 4705) and 0026 (the old identifier as fallback) on every
+    base: resumed with --override-opt-param-scheduler and new LRs, the optimizer loads and each
+    group has the LR and bounds of run C (built with the new arguments, never stopped); resumed
+    with the same arguments, each group keeps its own bounds, those of the run that never
+    stopped; resumed with new per-group LRs but the checkpoint's schedule, each group keeps its
+    own saved bounds. The counterfactual of the pristine tests of 1 and 2 above."""
+    cases = _cases('fork-sched')
+    assert sorted(cases) == sorted(case['name'] for case in SCHED_CASES)
+    override = {case['name'] for case in SCHED_CASES if case.get('override_flag')}
+    for name, per_rank in cases.items():
+        for res in per_rank:
+            assert res['save_error'] is None and res['load_error'] is None, (name, res)
+            expected = res['run_c'] if name in override else res['run_a']
+            assert len({_bounds(g) for g in expected}) == len(expected), (name, expected)
+            assert [_bounds(g) for g in res['run_b']] == [_bounds(g) for g in expected], name
+
+
 # ------------------------------------------------------------------------------------------
 # 3: one fp32 param among bf16 params in one param group.
 
@@ -333,6 +397,25 @@ def test_c4_alignment_gap():
     assert errors == [None, 'AssertionError: empty bucket encountered', None, None]
     assert all(res['files'] == [] for res in per_rank)  # the save never started
     _resumed_bitwise(cases['c4_gap_fr'])  # the same geometry, fully_reshardable
+    multi = cases['c4_gap_multi']
+    assert [res['local_params'] for res in multi][1] == [[[0, 1, 0]]]
+    # Rank 1 fails on the gap bucket (pristine 0.18.2/0.19.2/dev lack 0015 too, so the ranks
+    # whose part of the last bucket is only bucket-end padding fail the same way).
+    assert multi[1]['save_error'] == errors[1]
+
+
+def test_c4_fork_saves_gap_shards():
+    """With 0027 the rank whose part of a bucket lies in the gap between two params saves a
+    padding entry for it: the save and the resume succeed, every state tensor and the next step
+    equal the run that never stopped, and the checkpoint holds each param's own main param; also
+    with a bucket past which the same rank holds only bucket-end padding, and for the geometry of
+    6 (no gap shard). The counterfactual of test_c4_alignment_gap."""
+    cases = _cases('fork-w4')
+    assert sorted(cases) == sorted(C4_NAMES)
+    for name in C4_NAMES:
+        _resumed_bitwise(cases[name])
+    for name in ('c4_gap_dp', 'c4_gap_multi'):
+        assert [res['content_wrong'] for res in cases[name]] == [[]] * 4, name
 
 
 # ------------------------------------------------------------------------------------------
