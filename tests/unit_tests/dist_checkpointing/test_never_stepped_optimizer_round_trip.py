@@ -48,7 +48,9 @@ def _model_and_optimizer():
         num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
     )
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Params(config).cuda())
+    model = DistributedDataParallel(
+        config=config, ddp_config=ddp_config, module=Params(config).cuda()
+    )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer='adam', lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=0.0
