@@ -6,9 +6,9 @@ torch's Adam/AdamW and TE's FusedAdam create their per-param state in their firs
 then (for instance while fp16's loss scaler skips every step), the optimizer has no state to save,
 but a restarted process loads through a template that asks for every state tensor (``exp_avg``,
 ``exp_avg_sq``, ...). So such an optimizer saves the state it would start from, what its
-``init_state_fn`` builds, without keeping it; and a load of that checkpoint leaves the optimizer
-without state again, so that its first step initializes the state itself, as in the run that
-never stopped.
+``init_state_fn`` builds, without keeping it. A load of such a checkpoint of torch's optimizers
+(step 0 in every param group) leaves the optimizer without state again, so that its first step
+initializes the state itself, as in the run that never stopped.
 """
 
 from typing import Any, Dict
