@@ -83,6 +83,9 @@ CONFIGS = {
     'distopt-fp16': dict(
         ws=2, args=_args(2, remove=BF16, add=['--fp16', '--initial-loss-scale', '4096'])
     ),
+    # fp16 from the default loss scale (2**32): every step before K and after it is skipped,
+    # so the optimizer has not stepped when it saves (change distopt-fp16-no-step-yet)
+    'distopt-fp16-no-step-yet': dict(ws=2, args=_args(2, remove=BF16, add=['--fp16'])),
     # plain DDP (Float16OptimizerWithFloat16Params)
     'ddp': dict(ws=2, args=_args(2, remove=('--use-distributed-optimizer',))),
     # MoE, EP 2: expert and dense params in separate buffers of uneven sizes
