@@ -28,7 +28,6 @@ argument): tests/test_resume_candidates.py covers ``torch.optim.Adam``.
 
 import atexit
 import functools
-import math
 import os
 import shutil
 import tempfile
@@ -128,11 +127,7 @@ RESUMES.update(
             how='bitwise',
         ),
         'reshard-dp4-to-dp2': dict(
-            src='w4-fully',
-            ws=2,
-            args=CONFIGS['w2-gbs16']['args'],
-            ref='w4-fully',
-            how='reshard',
+            src='w4-fully', ws=2, args=CONFIGS['w2-gbs16']['args'], ref='w4-fully', how='reshard'
         ),
     }
 )

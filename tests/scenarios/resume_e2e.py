@@ -78,9 +78,7 @@ def _groups(optimizer):
 def _full_params(model):
     """Every model param as float hex, keyed by name (the same on every DP layout)."""
     return {
-        name: _hexes(param)
-        for chunk in model
-        for name, param in sorted(chunk.named_parameters())
+        name: _hexes(param) for chunk in model for name, param in sorted(chunk.named_parameters())
     }
 
 
