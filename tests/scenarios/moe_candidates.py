@@ -181,7 +181,10 @@ def scenario_expert_bias_counts(ctx, cases):
             res['want'] = module.router.local_tokens_per_expert.tolist()
             module.router.local_tokens_per_expert.zero_()
             try:
-                module(x.float(), mask)
+                # Eager: the harness's CUDA-on-CPU redirect cannot run under torch.compile (the
+                # router's jit_fuser), which fails dev's correct code on CPU.
+                with torch._dynamo.config.patch(disable=True):
+                    module(x.float(), mask)
                 res['got'] = module.router.local_tokens_per_expert.tolist()
             except Exception as exc:  # noqa: BLE001
                 res['error'] = f'{type(exc).__name__}: {exc}'
@@ -195,7 +198,7 @@ def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
     """PP = 2 (world 2): only stage 0 has an MoE layer and records a load-balancing loss; every
     rank then calls the tracker's ``report`` as a library user would (no force_initialize), with
     a gloo PP group whose timeout is ``timeout_s``, so a one-sided all-reduce fails instead of
-    hanging. Returns each rank's error (or None) and log string."""
+    hanging. Returns each rank's 'report_error' (or None) and log string."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -218,9 +221,9 @@ def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
             kwargs.update(force_initialize=True, track_names=['load_balancing_loss'], num_layers=2)
         try:
             log = tracker.report(**kwargs)
-            return {'stage': stage, 'error': None, 'log': log}
+            return {'stage': stage, 'report_error': None, 'log': log}
         except Exception as exc:  # noqa: BLE001
-            return {'stage': stage, 'error': f'{type(exc).__name__}: {exc}'[:300], 'log': None}
+            return {'stage': stage, 'report_error': f'{type(exc).__name__}: {exc}'[:300], 'log': None}
         finally:
             tracker.metrics.clear()
     finally:
@@ -282,13 +285,13 @@ def _moe_grads(dtype, tp, seq, bsz):
 
 def scenario_moe_bias_grads(ctx, seq=4, bsz=2):
     """Candidate 6: the MoE layer with biases at EP = ETP = 1 (TP = world), float32 and, in the same
-    process, float64. Returns 'grads' (or 'error') and 'ref64' (or 'ref_error')."""
+    process, float64. Returns 'grads' (or 'train_error') and 'ref64' (or 'ref_error')."""
     res = {}
     for key, dtype in (('grads', torch.float32), ('ref64', torch.float64)):
         try:
             res[key] = _moe_grads(dtype, 1, seq, bsz)
         except Exception as exc:  # noqa: BLE001
-            res[key.replace('grads', 'error').replace('ref64', 'ref_error')] = (
+            res[key.replace('grads', 'train_error').replace('ref64', 'ref_error')] = (
                 f'{type(exc).__name__}: {exc}'[:400]
             )
     return res
