@@ -216,9 +216,9 @@ def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
         stage = ps.get_pipeline_model_parallel_rank()
         if stage == 0:
             tracker.record('load_balancing_loss', torch.tensor(0.25), 1, 2)
-        kwargs = dict(loss_scale=1.0, iteration=1, pg_collection=pgc)
+        kwargs = dict(loss_scale=1.0, iteration=1, num_layers=2, pg_collection=pgc)
         if force_initialize:
-            kwargs.update(force_initialize=True, track_names=['load_balancing_loss'], num_layers=2)
+            kwargs.update(force_initialize=True, track_names=['load_balancing_loss'])
         try:
             log = tracker.report(**kwargs)
             return {'stage': stage, 'report_error': None, 'log': log}
