@@ -66,9 +66,10 @@ BIAS_CASES = [dict(name='tokens_ne_experts', seq=8, bsz=2), dict(name='tokens_eq
 
 CALLS = {}
 for _tree in TREES:
-    CALLS[_tree, 'ref'] = call(1, _tree, MOD + 'scenario_router_grads', cases=CASES, reference=True)
-    CALLS[_tree, 'bias'] = call(1, _tree, MOD + 'scenario_expert_bias_counts', cases=BIAS_CASES)
-    CALLS[_tree, 'mlp'] = call(1, _tree, MOD + 'scenario_moe_bias_grads')
+    # One world of 2 ranks per tree; the references and the TP 1 cases run on each rank alone.
+    CALLS[_tree, 'ref'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES, reference=True)
+    CALLS[_tree, 'bias'] = call(2, _tree, MOD + 'scenario_expert_bias_counts', cases=BIAS_CASES)
+    CALLS[_tree, 'mlp'] = call(2, _tree, MOD + 'scenario_moe_bias_grads')
     CALLS[_tree, 'tp2'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES)
     # The failing report last: its PP group stays broken for the rest of the world.
     CALLS[_tree, 'pp-force'] = call(2, _tree, MOD + 'scenario_metrics_pp', force_initialize=True)

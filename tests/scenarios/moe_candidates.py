@@ -8,8 +8,8 @@ auxiliary losses reach the router weight, the aux-loss scale the schedule sets
 the real ``finalize_model_grads`` with the loss function's token count (the replica's valid
 tokens) under ``calculate_per_token_loss``.
 
-The reference is the same router in float64 in one process (world 1, TP 1) over the whole global
-batch with the mean loss (no per-token rescale): the gradient of the auxiliary objective itself,
+The reference is the same router in float64 in one process (TP 1, each rank alone) over the
+whole global batch with the mean loss (no per-token rescale): the gradient of the auxiliary objective itself,
 which is what upstream defines as the target of the per-token path (a final scaling of the aux
 gradients of 1 / (num_microbatches * dp_size)). The float32 copy of that one-process run gives
 the bound: the test allows a few times its distance from float64.
@@ -80,15 +80,27 @@ def _router_weight():
 
 
 class _RouterModule(torch.nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, alone=False):
         from megatron.core.transformer.moe.router import TopKRouter
 
         super().__init__()
-        self.router = TopKRouter(config=config, **_pg_kwargs())
+        kwargs = _pg_kwargs()
+        if alone:
+            # The one-process reference inside a larger world (TP 1, so DP = world): its
+            # TP x DP x CP domain (global aux loss) is this rank alone.
+            kwargs['pg_collection'].tp_dp_cp = _own_group()
+        self.router = TopKRouter(config=config, **kwargs)
 
     def forward(self, x, padding_mask):
         kwargs = {} if padding_mask is None else {'padding_mask': padding_mask}
         return self.router(x, **kwargs)
+
+
+def _own_group():
+    """A process group of this rank alone (every rank creates every rank's)."""
+    world = torch.distributed.get_world_size()
+    groups = [torch.distributed.new_group([r]) for r in range(world)]
+    return groups[torch.distributed.get_rank()]
 
 
 def _pg_kwargs():
@@ -112,7 +124,7 @@ def _router_run(ctx, case, dtype, reference):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
         config = _router_config(tp, case['loss'], per_token, dtype)
-        module = _RouterModule(config)
+        module = _RouterModule(config, alone=reference)
         with torch.no_grad():
             module.router.weight.copy_(_router_weight().to(dtype))
         model = DistributedDataParallel(
@@ -143,7 +155,7 @@ def scenario_router_grads(ctx, cases, reference=False):
         cases: dicts with 'name', 'tp', 'loss' ('aux_loss', 'seq_aux_loss', 'global_aux_loss',
             'z'), 'per_token', 'pad', 'seq', 'bsz'.
         reference: run each case at TP 1 over the whole batch with the mean loss, in float64 and
-            float32 (world 1): 'ref64', 'ref32'.
+            float32, each rank alone (its DP replicas compute the same grads): 'ref64', 'ref32'.
     """
     out = []
     for case in cases:
@@ -162,7 +174,7 @@ def scenario_router_grads(ctx, cases, reference=False):
 
 def scenario_expert_bias_counts(ctx, cases):
     """Per case (seq, bsz), ``local_tokens_per_expert`` after a forward with padding, and the
-    counts of the same router over the valid tokens only (world 1, TP 1)."""
+    counts of the same router over the valid tokens only (TP 1, every rank alone)."""
     from megatron.core import parallel_state as ps
 
     out = []
