@@ -307,3 +307,94 @@ def scenario_moe_bias_grads(ctx, seq=4, bsz=2):
                 f'{type(exc).__name__}: {exc}'[:400]
             )
     return res
+
+
+def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
+    """Candidate 8: MTP under per-token loss with uneven valid tokens over gradient-accumulation
+    microbatches (each rank alone: DP and CP 1, ``num_microbatches`` microbatches of one step).
+
+    The model, the data and the float64 references are tests/scenarios/mtp_per_token_loss.py's,
+    with the microbatches in place of the DP ranks there: 'reference' is the objective of
+    per-token loss over the whole step (MTP tokens weighted 1 / M with M summed over the
+    microbatches), 'per_microbatch' the same with each microbatch's MTP loss rescaled by its own
+    N / M (what the rescale in process_mtp_loss computes at forward time).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from tests.scenarios import mtp_per_token_loss as mtp
+    from tests.scenarios.common import make_config
+
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    world = torch.distributed.get_world_size()
+    try:
+        MTPLossLoggingHelper.tracker = {}
+        config = make_config(
+            hidden_size=mtp.HIDDEN,
+            mtp_num_layers=depth,
+            mtp_loss_scaling_factor=mtp.SCALE,
+            calculate_per_token_loss=True,
+            use_cpu_initialization=True,
+        )
+        params = mtp._init_params(seed)
+        module = mtp._build(config, params).to(ctx.device)
+        model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
+            module=module,
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = None
+        config.grad_scale_func = None
+        config.timers = None
+        masks = mtp._masks(num_microbatches, True)
+        data = [mtp._batch(seed, i) for i in range(num_microbatches)]
+        batches = [(tok, lab, m) for (tok, lab), m in zip(data, masks)]
+
+        def forward_step(data_iterator, model):
+            tok, lab, mask = next(data_iterator)
+            output = model(tok, lab, mask)
+
+            def loss_func(output_tensor):
+                loss = (output_tensor.float() * mask).sum()
+                num_tokens = mask.sum().to(torch.int)
+                return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), num_tokens.float()])}
+
+            return output, loss_func
+
+        model.zero_grad_buffer()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=num_microbatches,
+            seq_length=mtp.SEQ,
+            micro_batch_size=mtp.BATCH,
+            forward_only=False,
+        )
+        # Every DP rank ran the same microbatches: the grads and the token count summed over DP
+        # give the same quotient as one rank alone.
+        got = {
+            'embedding': module.embedding.main_grad,
+            'mtp_proj': module.mtp_proj.main_grad,
+            'output': module.output_layer.weight.main_grad,
+        }
+        got = {k: v.detach().double().reshape(-1).tolist() for k, v in got.items()}
+        return {
+            'grads': got,
+            'reference': mtp._reference(params, data, masks, depth, 'global'),
+            'per_microbatch': mtp._reference(params, data, masks, depth, 'local'),
+            'dp_size': ps.get_data_parallel_world_size(),
+            'world': world,
+            'counts': [
+                [float(m.sum()), float(mtp._rolled(m.clone(), 1).sum())] for m in masks
+            ],
+        }
+    finally:
+        ps.destroy_model_parallel()
