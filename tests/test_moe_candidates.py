@@ -64,6 +64,11 @@ CASES = [
 VALID = SEQ * BSZ - SEQ // 4 - 1
 BIAS_CASES = [dict(name='tokens_ne_experts', seq=8, bsz=2), dict(name='tokens_eq_experts', seq=2, bsz=2)]
 
+# Candidate 7 needs generalized TP (0.19.2 only): (GTP, EGTP) at TP = ETP = EP = 1.
+HAS_GTP = _state('expert-gtp-grad-sync') is not None
+GTP_LAYOUTS = [(1, 2), (2, 1), (2, 2), (1, 1)]
+EXPERT_GTP_MEAN = 'expert-gtp-mean-loss-scaling'  # 0037 (0.19.2)
+
 CALLS = {}
 for _tree in TREES:
     # One world of 2 ranks per tree; the references and the TP 1 cases run on each rank alone.
@@ -72,13 +77,24 @@ for _tree in TREES:
     CALLS[_tree, 'mlp'] = call(2, _tree, MOD + 'scenario_moe_bias_grads')
     CALLS[_tree, 'tp2'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES)
     CALLS[_tree, 'mtp'] = call(2, _tree, MOD + 'scenario_mtp_microbatches')
+    for _gtp, _egtp in GTP_LAYOUTS if HAS_GTP else ():
+        CALLS[_tree, 'gtp', _gtp, _egtp] = call(
+            2,
+            _tree,
+            'tests.scenarios.expert_gtp_grads:scenario_expert_gtp_sync',
+            tp=1,
+            etp=1,
+            gtp=_gtp,
+            egtp=_egtp,
+            per_token=False,
+        )
     # The failing report last: its PP group stays broken for the rest of the world.
     CALLS[_tree, 'pp-force'] = call(2, _tree, MOD + 'scenario_metrics_pp', force_initialize=True)
     CALLS[_tree, 'pp'] = call(2, _tree, MOD + 'scenario_metrics_pp')
 
 
 def _result(tree, key, rank=0):
-    res = CALLS[tree, key].result()[rank]
+    res = CALLS[(tree, *key) if isinstance(key, tuple) else (tree, key)].result()[rank]
     assert 'error' not in res, (tree, key, res)
     return res
 
@@ -277,3 +293,34 @@ def test_mtp_microbatch_counts(tree):
         bound = 64 * eps * max(float(ref.abs().max()), 1.0)
         assert float((got - per_mb).abs().max()) <= bound, name
         assert float((got - ref).abs().max()) > 100 * bound, name
+
+
+# ------------------------------------------------------------------------------------------
+# 7: expert grads under the mean loss when expert GTP != GTP (0.19.2).
+
+
+@pytest.mark.skipif(not HAS_GTP, reason=f'base {BASE} has no generalized TP')
+@pytest.mark.parametrize('tree', TREES)
+def test_expert_gtp_mean_loss(tree):
+    """tests/scenarios/expert_gtp_grads.py with the mean loss: every rank writes 2 ** rank into
+    each main_grad (what GTP's backward leaves: a reduce-scatter mean over the (expert) GTP group
+    for a sharded weight, the local grad for a replicated one), then DDP and finalize_model_grads.
+    The mean over the D data shards is the sum over the replicas of the shard, times EGTP for a
+    GTP-sharded expert weight (its value is already a mean over EGTP shards of data), / D."""
+    ratios = {}
+    for gtp, egtp in GTP_LAYOUTS:
+        for rank in (0, 1):
+            res = _result(tree, ('gtp', gtp, egtp), rank)
+            for name, got in res['grad_after_sync'].items():
+                want = res['correct_grad_after_sync'][name] / res['data_shards']
+                if res['gtp_sharded'][name]:
+                    want *= res['config_egtp']
+                assert len(got) == 1, (gtp, egtp, name, got)
+                ratios[gtp, egtp, rank, name] = got[0] / want
+    if _fixed(tree, EXPERT_GTP_MEAN):
+        assert set(ratios.values()) == {1.0}, ratios
+        return
+    # Pristine 0.19.2 also lacks 0021 (expert params synced as dense ones where EGTP != GTP).
+    wrong = {k: r for k, r in ratios.items() if r != 1.0}
+    assert {(g, e) for g, e, _, _ in wrong} == {(1, 2), (2, 1)}, wrong
+    assert {r for (g, e, _, _), r in wrong.items() if (g, e) == (2, 1)} == {2.0}, wrong
