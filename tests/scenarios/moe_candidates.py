@@ -286,22 +286,38 @@ def _moe_grads(dtype, tp, seq, bsz):
         probe = torch.randn(seq, bsz, HIDDEN, generator=gen, dtype=torch.float64)
         rank, chunk = ps.get_tensor_model_parallel_rank(), seq // tp
         sl = slice(rank * chunk, (rank + 1) * chunk)
+        routed = []
+        layer.router.register_forward_hook(lambda mod, args, out: routed.append(out))
         out, out_bias = layer(x[sl].to(dtype).contiguous())
         if out_bias is not None:
             out = out + out_bias
         (out.double() * probe[sl]).sum().backward()
-        return {n: p.grad.detach().double().flatten().tolist() for n, p in layer.named_parameters()}
+        grads = {n: p.grad.detach().double().flatten().tolist() for n, p in layer.named_parameters()}
+        # The expert fc2 bias enters each routed token's output times its routing probability:
+        # d loss / d bias_e = sum over tokens of probs[t, e] * probe[t] (from the router alone).
+        probs = routed[0][0].detach().double()  # [tokens, experts], zero where not routed
+        flat_probe = probe[sl].reshape(-1, HIDDEN)
+        want = {
+            f'experts.local_experts.{e}.linear_fc2.bias': (probs[:, e : e + 1] * flat_probe)
+            .sum(0)
+            .tolist()
+            for e in range(EXPERTS)
+        }
+        return grads, want
     finally:
         ps.destroy_model_parallel()
 
 
 def scenario_moe_bias_grads(ctx, seq=4, bsz=2):
     """Candidate 6: the MoE layer with biases at EP = ETP = 1 (TP = world), float32 and, in the same
-    process, float64. Returns 'grads' (or 'train_error') and 'ref64' (or 'ref_error')."""
+    process, float64. Returns 'grads' (or 'train_error'), 'ref64' (or 'ref_error') and 'bias_want':
+    the expert fc2 bias grads from the router's probabilities (float64)."""
     res = {}
     for key, dtype in (('grads', torch.float32), ('ref64', torch.float64)):
         try:
-            res[key] = _moe_grads(dtype, 1, seq, bsz)
+            res[key], want = _moe_grads(dtype, 1, seq, bsz)
+            if dtype == torch.float64:
+                res['bias_want'] = want
         except Exception as exc:  # noqa: BLE001
             res[key.replace('grads', 'train_error').replace('ref64', 'ref_error')] = (
                 f'{type(exc).__name__}: {exc}'[:400]
