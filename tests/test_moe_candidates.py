@@ -17,7 +17,7 @@ MoE layer with biases at EP = ETP = 1 (float32, and float64 in the same process 
 import pytest
 import torch
 
-from tests.harness import call
+from tests.harness import call, tiers
 from tests.harness.bases import BASE, CHANGES, FORK, PRISTINE
 
 MOD = 'tests.scenarios.moe_candidates:'
@@ -305,7 +305,7 @@ def test_mtp_microbatch_counts(tree):
 # 7: expert grads under the mean loss when expert GTP != GTP (0.19.2).
 
 
-@pytest.mark.skipif(not HAS_GTP, reason=f'base {BASE} has no generalized TP')
+@tiers.skipif(not HAS_GTP, 'no-gtp', f'base {BASE} has no generalized TP')
 @pytest.mark.parametrize('tree', TREES)
 def test_expert_gtp_mean_loss(tree):
     """tests/scenarios/expert_gtp_grads.py with the mean loss: every rank writes 2 ** rank into
