@@ -62,7 +62,10 @@ CASES = [
 ]
 # The replica's valid tokens in the padded batch (tests/scenarios/moe_candidates.py's mask).
 VALID = SEQ * BSZ - SEQ // 4 - 1
-BIAS_CASES = [dict(name='tokens_ne_experts', seq=8, bsz=2), dict(name='tokens_eq_experts', seq=2, bsz=2)]
+BIAS_CASES = [
+    dict(name='tokens_ne_experts', seq=8, bsz=2),
+    dict(name='tokens_eq_experts', seq=2, bsz=2),
+]
 
 # Candidate 7 needs generalized TP (0.19.2 only): (GTP, EGTP) at TP = ETP = EP = 1.
 HAS_GTP = _state('expert-gtp-grad-sync') is not None

@@ -1,6 +1,6 @@
-"""Issue 31 (MoE gradients), candidates 1-6: what upstream's router, metrics tracker and MoE layer do.
+"""Issue 31 (MoE gradients), candidates 1-6 and 8: the router, metrics, MoE layer and MTP.
 
-Router cases (candidates 1-4) run upstream's ``TopKRouter`` wrapped in megatron DDP: one forward
+Router cases (candidates 1-3) run upstream's ``TopKRouter`` wrapped in megatron DDP: one forward
 on this rank's share of a seeded global batch [SEQ, BATCH, HIDDEN] (a sequence chunk per TP rank,
 sequence parallel whenever TP > 1), a main loss of zero (``0 * probs.sum()``) so that only the
 auxiliary losses reach the router weight, the aux-loss scale the schedule sets
@@ -8,10 +8,10 @@ auxiliary losses reach the router weight, the aux-loss scale the schedule sets
 the real ``finalize_model_grads`` with the loss function's token count (the replica's valid
 tokens) under ``calculate_per_token_loss``.
 
-The reference is the same router in float64 in one process (TP 1, each rank alone) over the
-whole global batch with the mean loss (no per-token rescale): the gradient of the auxiliary objective itself,
-which is what upstream defines as the target of the per-token path (a final scaling of the aux
-gradients of 1 / (num_microbatches * dp_size)). The float32 copy of that one-process run gives
+The reference is the same router in float64 in one process (TP 1, each rank alone) over the whole
+global batch with the mean loss (no per-token rescale): the gradient of the auxiliary objective
+itself, which is what upstream defines as the target of the per-token path (a final scaling of the
+aux gradients of 1 / (num_microbatches * dp_size)). The float32 copy of that one-process run gives
 the bound: the test allows a few times its distance from float64.
 
 Expert-bias counts (candidate 4): ``local_tokens_per_expert`` after one forward with a padding
@@ -128,7 +128,9 @@ def _router_run(ctx, case, dtype, reference):
         with torch.no_grad():
             module.router.weight.copy_(_router_weight().to(dtype))
         model = DistributedDataParallel(
-            config, DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64), module
+            config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64),
+            module,
         )
         x, mask = _global_batch(case['seq'], case['bsz'], case['pad'])
         rank = ps.get_tensor_model_parallel_rank()
@@ -235,7 +237,11 @@ def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
             log = tracker.report(**kwargs)
             return {'stage': stage, 'report_error': None, 'log': log}
         except Exception as exc:  # noqa: BLE001
-            return {'stage': stage, 'report_error': f'{type(exc).__name__}: {exc}'[:300], 'log': None}
+            return {
+                'stage': stage,
+                'report_error': f'{type(exc).__name__}: {exc}'[:300],
+                'log': None,
+            }
         finally:
             tracker.metrics.clear()
     finally:
@@ -292,7 +298,9 @@ def _moe_grads(dtype, tp, seq, bsz):
         if out_bias is not None:
             out = out + out_bias
         (out.double() * probe[sl]).sum().backward()
-        grads = {n: p.grad.detach().double().flatten().tolist() for n, p in layer.named_parameters()}
+        grads = {
+            n: p.grad.detach().double().flatten().tolist() for n, p in layer.named_parameters()
+        }
         # The expert fc2 bias enters each routed token's output times its routing probability:
         # d loss / d bias_e = sum over tokens of probs[t, e] * probe[t] (from the router alone).
         probs = routed[0][0].detach().double()  # [tokens, experts], zero where not routed
@@ -335,6 +343,7 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
     microbatches), 'per_microbatch' the same with each microbatch's MTP loss rescaled by its own
     N / M (what the rescale in process_mtp_loss computes at forward time).
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -344,8 +353,6 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from tests.scenarios import mtp_per_token_loss as mtp
     from tests.scenarios.common import make_config
-
-    from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
     world = torch.distributed.get_world_size()
@@ -380,7 +387,11 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
             def loss_func(output_tensor):
                 loss = (output_tensor.float() * mask).sum()
                 num_tokens = mask.sum().to(torch.int)
-                return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), num_tokens.float()])}
+                return (
+                    loss,
+                    num_tokens,
+                    {'lm loss': torch.stack([loss.detach(), num_tokens.float()])},
+                )
 
             return output, loss_func
 
@@ -408,9 +419,7 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
             'per_microbatch': mtp._reference(params, data, masks, depth, 'local'),
             'dp_size': ps.get_data_parallel_world_size(),
             'world': world,
-            'counts': [
-                [float(m.sum()), float(mtp._rolled(m.clone(), 1).sum())] for m in masks
-            ],
+            'counts': [[float(m.sum()), float(mtp._rolled(m.clone(), 1).sum())] for m in masks],
         }
     finally:
         ps.destroy_model_parallel()
