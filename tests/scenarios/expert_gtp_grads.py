@@ -27,8 +27,11 @@ from tests.scenarios.common import stats_config
 HIDDEN, FFN = 4, 8
 
 
-def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True):
+def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True, per_token=True):
     """Build expert fc1/fc2 under (TP, ETP, GTP, EGTP) with EP = 1, DDP-wrap them, sync grads.
+
+    ``per_token=False`` runs the mean loss instead (DDP pre-scales every grad; issue 31's
+    candidate 7, tests/test_moe_candidates.py).
 
     Returns per rank: the ``allreduce`` flag and DDP buffer ('dense'/'expert') of every param,
     whether its weight is GTP-sharded, its grad after ``finalize_model_grads`` and the correct
@@ -63,7 +66,7 @@ def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True):
             etp=etp,
             tensor_parallel_num_weight_shards=tp * gtp,
             expert_tensor_parallel_num_weight_shards=etp * egtp,
-            calculate_per_token_loss=True,
+            calculate_per_token_loss=per_token,
             gradient_accumulation_fusion=False,
             use_cpu_initialization=True,
         )
@@ -149,6 +152,9 @@ def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True):
             'dense_dp_ranks': dist.get_process_group_ranks(dp),
             'config_egtp': cfg.expert_gtp_weight_remat_size,
             'config_gtp': cfg.gtp_weight_remat_size,
+            'data_shards': dist.get_world_size(
+                ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=True)
+            ),
         }
     finally:
         update_gtp_config(pad_for_alignment=pad)

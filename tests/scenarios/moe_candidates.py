@@ -1,0 +1,425 @@
+"""Issue 31 (MoE gradients), candidates 1-6 and 8: the router, metrics, MoE layer and MTP.
+
+Router cases (candidates 1-3) run upstream's ``TopKRouter`` wrapped in megatron DDP: one forward
+on this rank's share of a seeded global batch [SEQ, BATCH, HIDDEN] (a sequence chunk per TP rank,
+sequence parallel whenever TP > 1), a main loss of zero (``0 * probs.sum()``) so that only the
+auxiliary losses reach the router weight, the aux-loss scale the schedule sets
+(``MoEAuxLossAutoScaler.set_loss_scale``: 1 under per-token loss, 1 / num_microbatches else), and
+the real ``finalize_model_grads`` with the loss function's token count (the replica's valid
+tokens) under ``calculate_per_token_loss``.
+
+The reference is the same router in float64 in one process (TP 1, each rank alone) over the whole
+global batch with the mean loss (no per-token rescale): the gradient of the auxiliary objective
+itself, which is what upstream defines as the target of the per-token path (a final scaling of the
+aux gradients of 1 / (num_microbatches * dp_size)). The float32 copy of that one-process run gives
+the bound: the test allows a few times its distance from float64.
+
+Expert-bias counts (candidate 4): ``local_tokens_per_expert`` after one forward with a padding
+mask, against the same router fed only the valid tokens (no mask): top-k routing is per token.
+"""
+
+import datetime
+import types
+
+import torch
+
+HIDDEN = 8
+EXPERTS = 4
+TOPK = 2
+SEED = 31031
+COEFF = {'aux_loss': 1e-1, 'seq_aux_loss': 1e-1, 'global_aux_loss': 1e-1, 'z': 1e-2}
+
+
+def _router_config(tp, loss, per_token, dtype, bias=False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = {}
+    if loss == 'z':
+        extra['moe_router_load_balancing_type'] = 'none'
+        extra['moe_z_loss_coeff'] = COEFF['z']
+    elif loss == 'none':
+        extra['moe_router_load_balancing_type'] = 'none'
+    else:
+        extra['moe_router_load_balancing_type'] = loss
+        extra['moe_aux_loss_coeff'] = COEFF[loss]
+    if bias:
+        extra.update(moe_router_enable_expert_bias=True, moe_router_score_function='sigmoid')
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_router_dtype='fp64' if dtype == torch.float64 else 'fp32',
+        calculate_per_token_loss=per_token,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        **extra,
+    )
+
+
+def _global_batch(seq, bsz, pad):
+    """x [seq, bsz, HIDDEN] and the padding mask [seq, bsz] (True = padding): padding at the end
+    of sequence 0 and one token inside sequence 1, so the TP chunks hold different counts."""
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(seq, bsz, HIDDEN, generator=gen, dtype=torch.float64)
+    mask = torch.zeros(seq, bsz, dtype=torch.bool)
+    if pad:
+        mask[seq - seq // 4 :, 0] = True
+        mask[1, bsz - 1] = True
+    return x, mask
+
+
+def _router_weight():
+    gen = torch.Generator().manual_seed(SEED + 1)
+    return torch.randn(EXPERTS, HIDDEN, generator=gen, dtype=torch.float64) * 0.5
+
+
+class _RouterModule(torch.nn.Module):
+    def __init__(self, config, alone=False):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        super().__init__()
+        kwargs = _pg_kwargs()
+        if alone:
+            # The one-process reference inside a larger world (TP 1, so DP = world): its
+            # TP x DP x CP domain (global aux loss) is this rank alone.
+            kwargs['pg_collection'].tp_dp_cp = _own_group()
+        self.router = TopKRouter(config=config, **kwargs)
+
+    def forward(self, x, padding_mask):
+        kwargs = {} if padding_mask is None else {'padding_mask': padding_mask}
+        return self.router(x, **kwargs)
+
+
+def _own_group():
+    """A process group of this rank alone (every rank creates every rank's)."""
+    world = torch.distributed.get_world_size()
+    groups = [torch.distributed.new_group([r]) for r in range(world)]
+    return groups[torch.distributed.get_rank()]
+
+
+def _pg_kwargs():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return {'pg_collection': ProcessGroupCollection.use_mpu_process_groups()}
+
+
+def _router_run(ctx, case, dtype, reference):
+    """One router forward/backward and finalize; returns the router weight's final grad."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    tp = 1 if reference else case['tp']
+    per_token = False if reference else case['per_token']
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        config = _router_config(tp, case['loss'], per_token, dtype)
+        module = _RouterModule(config, alone=reference)
+        with torch.no_grad():
+            module.router.weight.copy_(_router_weight().to(dtype))
+        model = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64),
+            module,
+        )
+        x, mask = _global_batch(case['seq'], case['bsz'], case['pad'])
+        rank = ps.get_tensor_model_parallel_rank()
+        chunk = case['seq'] // tp
+        x_local = x[rank * chunk : (rank + 1) * chunk].to(dtype).contiguous()
+        mask_local = mask[rank * chunk : (rank + 1) * chunk].contiguous() if case['pad'] else None
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=dtype))
+        probs, _ = model(x_local, mask_local)
+        (probs * 0).sum().backward()
+        # The loss function's count: the replica's valid tokens (the whole sequence, every TP
+        # rank); finalize_model_grads sums it over DP x CP and divides every grad by it.
+        num_tokens = torch.tensor(int((~mask).sum()), dtype=torch.int) if per_token else None
+        finalize_model_grads([model], num_tokens=num_tokens)
+        grad = module.router.weight.main_grad.detach().double().clone()
+        return grad
+    finally:
+        ps.destroy_model_parallel()
+
+
+def scenario_router_grads(ctx, cases, reference=False):
+    """Per case, the router weight's grad after finalize_model_grads (flat list).
+
+    Args:
+        cases: dicts with 'name', 'tp', 'loss' ('aux_loss', 'seq_aux_loss', 'global_aux_loss',
+            'z'), 'per_token', 'pad', 'seq', 'bsz'.
+        reference: run each case at TP 1 over the whole batch with the mean loss, in float64 and
+            float32, each rank alone (its DP replicas compute the same grads): 'ref64', 'ref32'.
+    """
+    out = []
+    for case in cases:
+        res = {'name': case['name']}
+        try:
+            if reference:
+                res['ref64'] = _router_run(ctx, case, torch.float64, True).flatten().tolist()
+                res['ref32'] = _router_run(ctx, case, torch.float32, True).flatten().tolist()
+            else:
+                res['grad'] = _router_run(ctx, case, torch.float32, False).flatten().tolist()
+        except Exception as exc:  # noqa: BLE001 - upstream's error is the result
+            res['error'] = f'{type(exc).__name__}: {exc}'
+        out.append(res)
+    return {'cases': out}
+
+
+def scenario_expert_bias_counts(ctx, cases):
+    """Per case (seq, bsz), ``local_tokens_per_expert`` after a forward with padding, and the
+    counts of the same router over the valid tokens only (TP 1, every rank alone)."""
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for case in cases:
+        res = {'name': case['name']}
+        ps.initialize_model_parallel()
+        try:
+            config = _router_config(1, 'none', False, torch.float32, bias=True)
+            module = _RouterModule(config)
+            with torch.no_grad():
+                module.router.weight.copy_(_router_weight().float())
+            module.train()
+            x, mask = _global_batch(case['seq'], case['bsz'], True)
+            valid = x[~mask].unsqueeze(1).float()  # [valid tokens, 1, HIDDEN]
+            module(valid, None)
+            res['want'] = module.router.local_tokens_per_expert.tolist()
+            module.router.local_tokens_per_expert.zero_()
+            try:
+                # Eager: the harness's CUDA-on-CPU redirect cannot run under torch.compile (the
+                # router's jit_fuser), which fails dev's correct code on CPU.
+                with torch._dynamo.config.patch(disable=True):
+                    module(x.float(), mask)
+                res['got'] = module.router.local_tokens_per_expert.tolist()
+            except Exception as exc:  # noqa: BLE001
+                res['error'] = f'{type(exc).__name__}: {exc}'
+        finally:
+            ps.destroy_model_parallel()
+        out.append(res)
+    return {'cases': out}
+
+
+def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
+    """PP = 2 (world 2): only stage 0 has an MoE layer and records a load-balancing loss; every
+    rank then calls the tracker's ``report`` as a library user would (no force_initialize), with
+    a gloo PP group whose timeout is ``timeout_s``, so a one-sided all-reduce fails instead of
+    hanging. Returns each rank's 'report_error' (or None) and log string."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        pp_ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        pp_group = torch.distributed.new_group(
+            pp_ranks, backend='gloo', timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        pgc = types.SimpleNamespace(
+            pp=pp_group, dp=ps.get_data_parallel_group(), dp_cp_gtp_remat=None
+        )
+        tracker = get_moe_metrics_tracker()
+        tracker.metrics.clear()
+        stage = ps.get_pipeline_model_parallel_rank()
+        if stage == 0:
+            tracker.record('load_balancing_loss', torch.tensor(0.25), 1, 2)
+        kwargs = dict(loss_scale=1.0, iteration=1, num_layers=2, pg_collection=pgc)
+        if force_initialize:
+            kwargs.update(force_initialize=True, track_names=['load_balancing_loss'])
+        try:
+            log = tracker.report(**kwargs)
+            return {'stage': stage, 'report_error': None, 'log': log}
+        except Exception as exc:  # noqa: BLE001
+            return {
+                'stage': stage,
+                'report_error': f'{type(exc).__name__}: {exc}'[:300],
+                'log': None,
+            }
+        finally:
+            tracker.metrics.clear()
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _moe_config(dtype, tp):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=HIDDEN,
+        num_attention_heads=4,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_router_dtype='fp64' if dtype == torch.float64 else 'fp32',
+        moe_router_load_balancing_type='none',
+        moe_token_dispatcher_type='allgather',
+        add_bias_linear=True,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _moe_grads(dtype, tp, seq, bsz):
+    """Upstream's MoELayer (local spec, biases on) at (tp, EP 1, ETP 1): this rank's grads of
+    sum(output * probe) over its sequence chunk, params set from their names."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        config = _moe_config(dtype, tp)
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+        layer = spec.submodules.mlp(config=config)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                digest = sum(ord(c) * 31**i for i, c in enumerate(name)) % 2**31
+                gen = torch.Generator().manual_seed(SEED + digest)
+                p.copy_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5).to(dtype))
+        gen = torch.Generator().manual_seed(SEED + 2)
+        x = torch.randn(seq, bsz, HIDDEN, generator=gen, dtype=torch.float64)
+        probe = torch.randn(seq, bsz, HIDDEN, generator=gen, dtype=torch.float64)
+        rank, chunk = ps.get_tensor_model_parallel_rank(), seq // tp
+        sl = slice(rank * chunk, (rank + 1) * chunk)
+        routed = []
+        layer.router.register_forward_hook(lambda mod, args, out: routed.append(out))
+        out, out_bias = layer(x[sl].to(dtype).contiguous())
+        if out_bias is not None:
+            out = out + out_bias
+        (out.double() * probe[sl]).sum().backward()
+        grads = {
+            n: p.grad.detach().double().flatten().tolist() for n, p in layer.named_parameters()
+        }
+        # The expert fc2 bias enters each routed token's output times its routing probability:
+        # d loss / d bias_e = sum over tokens of probs[t, e] * probe[t] (from the router alone).
+        probs = routed[0][0].detach().double()  # [tokens, experts], zero where not routed
+        flat_probe = probe[sl].reshape(-1, HIDDEN)
+        want = {
+            f'experts.local_experts.{e}.linear_fc2.bias': (probs[:, e : e + 1] * flat_probe)
+            .sum(0)
+            .tolist()
+            for e in range(EXPERTS)
+        }
+        return grads, want
+    finally:
+        ps.destroy_model_parallel()
+
+
+def scenario_moe_bias_grads(ctx, seq=4, bsz=2):
+    """Candidate 6: the MoE layer with biases at EP = ETP = 1 (TP = world), float32 and, in the same
+    process, float64. Returns 'grads' (or 'train_error'), 'ref64' (or 'ref_error') and 'bias_want':
+    the expert fc2 bias grads from the router's probabilities (float64)."""
+    res = {}
+    for key, dtype in (('grads', torch.float32), ('ref64', torch.float64)):
+        try:
+            res[key], want = _moe_grads(dtype, 1, seq, bsz)
+            if dtype == torch.float64:
+                res['bias_want'] = want
+        except Exception as exc:  # noqa: BLE001
+            res[key.replace('grads', 'train_error').replace('ref64', 'ref_error')] = (
+                f'{type(exc).__name__}: {exc}'[:400]
+            )
+    return res
+
+
+def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
+    """Candidate 8: MTP under per-token loss with uneven valid tokens over gradient-accumulation
+    microbatches (each rank alone: DP and CP 1, ``num_microbatches`` microbatches of one step).
+
+    The model, the data and the float64 references are tests/scenarios/mtp_per_token_loss.py's,
+    with the microbatches in place of the DP ranks there: 'reference' is the objective of
+    per-token loss over the whole step (MTP tokens weighted 1 / M with M summed over the
+    microbatches), 'per_microbatch' the same with each microbatch's MTP loss rescaled by its own
+    N / M (what the rescale in process_mtp_loss computes at forward time).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from tests.scenarios import mtp_per_token_loss as mtp
+    from tests.scenarios.common import make_config
+
+    ps.initialize_model_parallel()
+    world = torch.distributed.get_world_size()
+    try:
+        MTPLossLoggingHelper.tracker = {}
+        config = make_config(
+            hidden_size=mtp.HIDDEN,
+            mtp_num_layers=depth,
+            mtp_loss_scaling_factor=mtp.SCALE,
+            calculate_per_token_loss=True,
+            use_cpu_initialization=True,
+        )
+        params = mtp._init_params(seed)
+        module = mtp._build(config, params).to(ctx.device)
+        model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
+            module=module,
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = None
+        config.grad_scale_func = None
+        config.timers = None
+        masks = mtp._masks(num_microbatches, True)
+        data = [mtp._batch(seed, i) for i in range(num_microbatches)]
+        batches = [(tok, lab, m) for (tok, lab), m in zip(data, masks)]
+
+        def forward_step(data_iterator, model):
+            tok, lab, mask = next(data_iterator)
+            output = model(tok, lab, mask)
+
+            def loss_func(output_tensor):
+                loss = (output_tensor.float() * mask).sum()
+                num_tokens = mask.sum().to(torch.int)
+                return (
+                    loss,
+                    num_tokens,
+                    {'lm loss': torch.stack([loss.detach(), num_tokens.float()])},
+                )
+
+            return output, loss_func
+
+        model.zero_grad_buffer()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=num_microbatches,
+            seq_length=mtp.SEQ,
+            micro_batch_size=mtp.BATCH,
+            forward_only=False,
+        )
+        # Every DP rank ran the same microbatches: the grads and the token count summed over DP
+        # give the same quotient as one rank alone.
+        got = {
+            'embedding': module.embedding.main_grad,
+            'mtp_proj': module.mtp_proj.main_grad,
+            'output': module.output_layer.weight.main_grad,
+        }
+        got = {k: v.detach().double().reshape(-1).tolist() for k, v in got.items()}
+        return {
+            'grads': got,
+            'reference': mtp._reference(params, data, masks, depth, 'global'),
+            'per_microbatch': mtp._reference(params, data, masks, depth, 'local'),
+            'dp_size': ps.get_data_parallel_world_size(),
+            'world': world,
+            'counts': [[float(m.sum()), float(mtp._rolled(m.clone(), 1).sum())] for m in masks],
+        }
+    finally:
+        ps.destroy_model_parallel()
