@@ -145,6 +145,17 @@ def test_reset_keeps_golden_counts_when_asked(ws):
 
 
 @pytest.mark.parametrize('ws', WS)
+def test_reset_options_pick_bucket_groups(ws):
+    """recalibrate_params resets the kept groups holding one of them; keep_bucket_groups keeps
+    those groups in a full reset."""
+    for name in ('restore', 'restore_many'):
+        for res in _ok(_world(FORK, ws)[name]):
+            groups = len(res['kept'])
+            assert res['recalibrate_params'] == [True] + [False] * (groups - 1)
+            assert res['keep_bucket_groups'] == [True] * (groups - 1) + [False]
+
+
+@pytest.mark.parametrize('ws', WS)
 def test_pristine_has_no_reset_api(ws):
     world = _world(PRISTINE, ws)
     for name in ('restore', 'warm_reset', 'gather_drain', 'copyback'):

@@ -4,6 +4,24 @@
 
 Device tensors are staged in host memory and copied back in place, so no second device copy is
 made; optimizer state that did not exist at the snapshot (a fresh run) is deleted again.
+
+Where an upstream object's own API restores a live object exactly, it is used: the grad scaler's
+state_dict()/load_state_dict(), the CUDA RNG tracker's get_states()/set_states(), the python,
+numpy and torch generators' get/set state, and DistributedDataParallel.
+reset_grad_ready_calibration() (patch 0001) for the grad-ready calibration. Where it does not,
+the attributes are copied (``vars()``) or the tensors staged:
+
+- OptimizerParamScheduler.load_state_dict() is a checkpoint load into a fresh scheduler: it adds
+  the saved num_steps to the current one (``step(increment=num_steps)``) and logs every field, so
+  the scheduler's attributes (plain values) are copied instead;
+- the torch optimizers' load_state_dict() casts each state tensor to its param's dtype and
+  device (new tensors where they differ, e.g. bf16 moments of fp32 main params) and drops the
+  state created after the snapshot, so their state tensors are staged and written back in place,
+  and the param groups' values copied;
+- RerunStateMachine.state_dict() is a checkpoint of a pending rerun (None while none is pending
+  or the machine is disabled) and leaves out the validation statistics a step feeds, so its
+  attributes are copied;
+- the args counters and the modules' training flags have no state_dict().
 """
 
 import copy
@@ -87,7 +105,7 @@ class TrainingStateSnapshot:
         self.counters = {k: getattr(args, k) for k in ARGS_COUNTERS if hasattr(args, k)}
         self.training = [(m, m.training) for chunk in model for m in chunk.modules()]
         # Bucket groups whose grad-ready calibration real steps recorded before the warmup.
-        self.calibrated = {id(group) for group in _bucket_groups(model) if not group.is_first_batch}
+        self.calibrated = {group for group in _bucket_groups(model) if not group.is_first_batch}
         # The rerun state machine's whole state: its iteration and state, and the statistics a
         # step's validation feeds (first_iteration_complete, spiky-loss counts and maxima).
         self.rerun = get_rerun_state_machine()
@@ -104,7 +122,7 @@ class TrainingStateSnapshot:
         """Put everything back; returns (DDP bucket groups reset, collectives drained, bucket
         groups whose grad-ready calibration was kept). ``keep_calibration``: the steps ran as
         train()'s do, so the counts they recorded are the ones a first real step would record,
-        except in bucket groups holding a param in ``routed`` (ids), which are reset.
+        except in bucket groups holding a param in ``routed``, which are reset.
 
         Every part runs even if an earlier one raises (e.g. draining a collective after a
         communication error), so the host-staged state is always put back; the first failure is
@@ -207,29 +225,28 @@ def _bucket_groups(model) -> list:
 def reset_ddp_grad_ready_calibration(
     model, keep_calibration: bool = False, calibrated=(), routed=()
 ) -> tuple:
-    """Drain every DDP bucket group and reset its grad-ready calibration (patch 0001).
+    """Drain every DDP bucket group and reset its grad-ready calibration
+    (DistributedDataParallel.reset_grad_ready_calibration, patch 0001).
 
     Args:
         model: list of DDP model chunks.
         keep_calibration: keep the golden counts that the steps recorded, so that the first real
             step overlaps its grad reduce as later ones do.
-        calibrated: ids of the bucket groups whose counts real steps recorded before the warmup;
-            kept whatever ``keep_calibration`` says.
-        routed: ids of the params whose counts may depend on the routing; the bucket groups
-            holding one are reset whatever ``keep_calibration`` says.
+        calibrated: the bucket groups whose counts real steps recorded before the warmup; kept
+            whatever ``keep_calibration`` says.
+        routed: the params whose counts may depend on the routing; the bucket groups holding
+            one are reset unless in ``calibrated``.
 
     Returns:
         (bucket groups reset, collectives drained, bucket groups with a calibration after it).
     """
-    groups = _bucket_groups(model)
-    drained = sum(
-        group.reset_grad_ready_calibration(
-            id(group) in calibrated
-            or (keep_calibration and not any(id(param) in routed for param in group.params))
+    reset = drained = 0
+    for chunk in model:
+        groups, awaited = chunk.reset_grad_ready_calibration(
+            keep_calibration, recalibrate_params=routed, keep_bucket_groups=calibrated
         )
-        for group in groups
-    )
-    return len(groups), drained, sum(not group.is_first_batch for group in groups)
+        reset, drained = reset + groups, drained + awaited
+    return reset, drained, sum(not group.is_first_batch for group in _bucket_groups(model))
 
 
 def _clear_loss_trackers() -> None:

@@ -162,7 +162,7 @@ def _calibration_is_real(config, args) -> bool:
 
 
 def _routed_params(model, config) -> set:
-    """ids of the params whose grad-ready count may depend on what a router sends them, so that
+    """The params whose grad-ready count may depend on what a router sends them, so that
     the warmup's synthetic batches may calibrate them differently from the real ones.
 
     Not counted: the experts of a MoELayer whose experts module is exactly SequentialMLP, which
@@ -179,12 +179,12 @@ def _routed_params(model, config) -> set:
     for chunk in model:
         for module in chunk.modules():
             if isinstance(module, MoELayer):
-                params = {id(param) for param in module.experts.parameters()}
+                params = set(module.experts.parameters())
                 in_moe_layers |= params
                 if type(module.experts) not in (SequentialMLP, TEGroupedMLP):
                     routed |= params
         if getattr(config, 'num_moe_experts', None):
-            experts = {id(p) for p in chunk.parameters() if not getattr(p, 'allreduce', True)}
+            experts = {p for p in chunk.parameters() if not getattr(p, 'allreduce', True)}
             routed |= experts - in_moe_layers
     return routed
 
@@ -257,6 +257,146 @@ def synthetic_gpt_batches(args, seed_offset: int = 9973) -> Iterator[dict]:
         yield batch
 
 
+class _LoopSetup:
+    """train()'s loop set-up as install_train_loop_hooks() left it: the config callbacks,
+    whether each chunk's forward pre-hooks are on, and what that means for the grad-ready
+    calibration the steps record (real: see _calibration_is_real, except in the bucket groups of
+    the routed params). The steps enable the pre-hooks after the first step that ran, as train()
+    does; restore() hands the set-up back as it was found."""
+
+    def __init__(self, model, config, param_sync_func: Optional[Callable], args):
+        self.model, self.config, self.param_sync_func = model, config, param_sync_func
+        self.calibration_is_real = _calibration_is_real(config, args)
+        self.routed = _routed_params(model, config)
+        self.callbacks = {name: getattr(config, name) for name in CONFIG_CALLBACKS}
+        self.hooks = [bool(chunk.remove_forward_pre_hook_handles) for chunk in model]
+        # install_train_loop_hooks() disabled the pre-hooks for the first step.
+        self.pending = any(
+            chunk.use_forward_hook and not on for chunk, on in zip(model, self.hooks)
+        )
+
+    def after_step(self, skipped) -> None:
+        """Enable the pre-hooks (and param_sync_func) after the first step that ran."""
+        if self.pending and not skipped:
+            for chunk in self.model:
+                chunk.enable_forward_pre_hook()
+            self.config.param_sync_func = self.param_sync_func
+            self.pending = False
+
+    def restore(self) -> None:
+        """The config callbacks as installed, each chunk's pre-hooks as they were."""
+        for name, value in self.callbacks.items():
+            setattr(self.config, name, value)
+        for chunk, enabled in zip(self.model, self.hooks):
+            if chunk.use_forward_hook and bool(chunk.remove_forward_pre_hook_handles) != enabled:
+                if enabled:
+                    chunk.enable_forward_pre_hook()
+                else:
+                    chunk.disable_forward_pre_hook(param_sync=False)
+
+
+def _checked_num_steps(num_steps, args) -> int:
+    num_steps = args.warmup_train_steps if num_steps is None else num_steps
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ValueError(f'warmup_train_steps must be a non-negative integer, got {num_steps!r}')
+    return num_steps
+
+
+def _step_args(
+    forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, args
+) -> tuple:
+    """train_step()'s positional arguments. Without a data_iterator: synthetic batches for the
+    first chunk of the first stage and the last chunk of the last stage; the others read none (as
+    pretrain_gpt's get_batch). Each stage draws the same ones."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    if data_iterator is None:
+        size, rank = pipeline_layout(model, config, args)
+        stages = ((0, 0), (size - 1, len(model) - 1))
+        data_iterator = [
+            RerunDataIterator(synthetic_gpt_batches(args)) if (rank, i) in stages else None
+            for i in range(len(model))
+        ]
+        data_iterator = data_iterator if len(model) > 1 else data_iterator[0]
+    step_args = (forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config)
+    return step_args + (get_forward_backward_func(),)
+
+
+def _run_step(train_step_func: Callable, step_args: tuple, step: int, report, args):
+    """One warmup step; a step that raised on one rank (pipeline stage) fails it on every rank."""
+    error, started = None, _now()
+    try:
+        result = train_step_func(*step_args, iteration=args.iteration)
+        report.step_seconds.append(_now() - started)
+    except Exception as exc:  # pylint: disable=broad-except
+        error = exc
+    failed = _failed_ranks(error is not None)
+    if failed:
+        raise error or WarmupPeerError(
+            f'warmup step {step + 1} failed on rank(s) {failed}; restored here too'
+        )
+    return result
+
+
+def _run_steps(
+    train_step_func: Callable, step_args: tuple, setup: _LoopSetup, optimizer, report, args
+):
+    """The warmup steps, as train() runs them, outside its timers and dumps."""
+    with _outside_timers_and_dumps(args):
+        for chunk in setup.model:
+            chunk.train()
+        for step in range(report.num_steps):
+            _hold_loss_scale(optimizer)
+            result = _run_step(train_step_func, step_args, step, report, args)
+            report.losses.append(result[0])
+            report.skipped_steps += int(bool(result[1]))
+            setup.after_step(result[1])
+
+
+def _restore_state(snapshot, report, setup: _LoopSetup, step_failed: bool) -> None:
+    """Restore the snapshot, keeping the grad-ready calibration of the steps where it is a first
+    real step's; after a failed step, a failing restore does not hide the step's error."""
+    from megatron.training.utils import print_rank_0
+
+    try:
+        restored = snapshot.restore(setup.calibration_is_real and not step_failed, setup.routed)
+        report.bucket_groups_reset, report.collectives_drained, report.calibration_kept = restored
+        print_rank_0(
+            f'[warmup] Reset DDP grad-ready calibration on {restored[0]} bucket groups '
+            f'({restored[1]} outstanding collectives drained; '
+            f'calibration kept on {restored[2]})'
+        )
+    except Exception as restore_error:  # pylint: disable=broad-except
+        if not step_failed:
+            raise
+        # Keep the warmup step's exception, which is the one worth seeing.
+        print_rank_0(f'[warmup] restore after a failed step also failed: {restore_error!r}')
+
+
+def _log_report(report: WarmupReport) -> None:
+    """Wait for every rank, so that all start their first real step together, and log."""
+    from megatron.training.utils import print_rank_0
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    first, later = report.step_seconds[0], report.step_seconds[1:]
+    cost = f'first step {first:.2f}s'
+    if later:
+        report.one_time_cost = first - statistics.median(later)
+        cost += (
+            f', later ones {statistics.median(later):.2f}s: {report.one_time_cost:.2f}s of '
+            'one-time cost moved out of the real run'
+        )
+    if report.skipped_steps:
+        cost += f'; {report.skipped_steps} skipped by the loss scaler'
+    print_rank_0(
+        f'[warmup] Ran {report.num_steps} warmup train steps in {report.seconds:.2f}s ({cost}) '
+        'and restored the model, optimizer, scheduler, RNG and counters '
+        f'({report.host_staging_bytes / 2**20:.1f} MiB staged in host memory)'
+    )
+
+
 def run_warmup(
     train_step_func: Callable,
     forward_step_func,
@@ -272,11 +412,10 @@ def run_warmup(
     """Run ``num_steps`` synthetic training steps as train() runs them, then restore all state
     exactly, also when a step raises (the exception is re-raised after the restore).
 
-    train() calls it right after its loop set-up, install_train_loop_hooks(); code that runs
-    steps outside train() calls that function first too. The steps run under that set-up,
-    enabling the forward pre-hooks after the first successful step as train() does, and the
-    set-up is handed back as it was found: the config callbacks as installed, the pre-hooks
-    disabled and ``param_sync_func`` held back where install_train_loop_hooks() did so.
+    train() calls it right after install_train_loop_hooks() (code that runs steps outside
+    train() calls that first too). The steps run under that set-up, enabling the forward
+    pre-hooks after the first successful step as train() does, and hand it back as found: the
+    config callbacks as installed, pre-hooks and ``param_sync_func`` held back where it did so.
 
     Args:
         train_step_func: the step train() runs (training.train_step), with its signature.
@@ -292,108 +431,29 @@ def run_warmup(
             model chunk). Default: synthetic_gpt_batches(args) on the stages that read batches.
         args: Megatron global args (default: get_args()).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training.global_vars import get_args
-    from megatron.training.utils import print_rank_0
 
     args = args if args is not None else get_args()
-    num_steps = args.warmup_train_steps if num_steps is None else num_steps
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-        raise ValueError(f'warmup_train_steps must be a non-negative integer, got {num_steps!r}')
+    num_steps = _checked_num_steps(num_steps, args)
     if num_steps == 0:
         return WarmupReport()
     model = model if isinstance(model, list) else [model]
     check_warmup_supported(model, optimizer, config, args)
-    if data_iterator is None:
-        # Batches for the first chunk of the first stage and the last chunk of the last stage;
-        # the others read none (as pretrain_gpt's get_batch). Each stage draws the same ones.
-        size, rank = pipeline_layout(model, config, args)
-        stages = ((0, 0), (size - 1, len(model) - 1))
-        data_iterator = [
-            RerunDataIterator(synthetic_gpt_batches(args)) if (rank, i) in stages else None
-            for i in range(len(model))
-        ]
-        data_iterator = data_iterator if len(model) > 1 else data_iterator[0]
-    step_args = (forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config)
-    step_args += (get_forward_backward_func(),)
-
-    start, report = time.time(), WarmupReport(num_steps=num_steps)
+    step_args = _step_args(
+        forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, args
+    )
+    start = time.time()
     snapshot = TrainingStateSnapshot(model, optimizer, opt_param_scheduler, args)
-    report.host_staging_bytes = snapshot.nbytes
-    callbacks = {name: getattr(config, name) for name in CONFIG_CALLBACKS}
-    hooks = [bool(chunk.remove_forward_pre_hook_handles) for chunk in model]
-    # install_train_loop_hooks() disabled the pre-hooks for the first step.
-    hooks_pending = any(chunk.use_forward_hook and not on for chunk, on in zip(model, hooks))
-    keep_calibration, routed = _calibration_is_real(config, args), _routed_params(model, config)
+    report = WarmupReport(num_steps=num_steps, host_staging_bytes=snapshot.nbytes)
+    setup = _LoopSetup(model, config, param_sync_func, args)
     step_failed = True
     try:
-        with _outside_timers_and_dumps(args):
-            for chunk in model:
-                chunk.train()
-            for step in range(num_steps):
-                _hold_loss_scale(optimizer)
-                error, started = None, _now()
-                try:
-                    result = train_step_func(*step_args, iteration=args.iteration)
-                    report.step_seconds.append(_now() - started)
-                except Exception as exc:  # pylint: disable=broad-except
-                    error = exc
-                # A step that raised on one rank (pipeline stage) fails it on every rank.
-                failed = _failed_ranks(error is not None)
-                if failed:
-                    raise error or WarmupPeerError(
-                        f'warmup step {step + 1} failed on rank(s) {failed}; restored here too'
-                    )
-                report.losses.append(result[0])
-                report.skipped_steps += int(bool(result[1]))
-                if hooks_pending and not result[1]:  # as train(), after a step that ran
-                    for chunk in model:
-                        chunk.enable_forward_pre_hook()
-                    config.param_sync_func = param_sync_func
-                    hooks_pending = False
+        _run_steps(train_step_func, step_args, setup, optimizer, report, args)
         step_failed = False
     finally:
-        for name, value in callbacks.items():
-            setattr(config, name, value)
-        for chunk, enabled in zip(model, hooks):
-            if chunk.use_forward_hook and bool(chunk.remove_forward_pre_hook_handles) != enabled:
-                if enabled:
-                    chunk.enable_forward_pre_hook()
-                else:
-                    chunk.disable_forward_pre_hook(param_sync=False)
-        try:
-            restored = snapshot.restore(keep_calibration and not step_failed, routed)
-            report.bucket_groups_reset, report.collectives_drained, report.calibration_kept = (
-                restored
-            )
-            print_rank_0(
-                f'[warmup] Reset DDP grad-ready calibration on {restored[0]} bucket groups '
-                f'({restored[1]} outstanding collectives drained; '
-                f'calibration kept on {restored[2]})'
-            )
-        except Exception as restore_error:  # pylint: disable=broad-except
-            if not step_failed:
-                raise
-            # Keep the warmup step's exception, which is the one worth seeing.
-            print_rank_0(f'[warmup] restore after a failed step also failed: {restore_error!r}')
+        setup.restore()
+        _restore_state(snapshot, report, setup, step_failed)
         gc.collect()  # the warmup's garbage, now rather than inside the first real iterations
         report.seconds = time.time() - start
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every rank starts its first real step together
-    first, later = report.step_seconds[0], report.step_seconds[1:]
-    cost = f'first step {first:.2f}s'
-    if later:
-        report.one_time_cost = first - statistics.median(later)
-        cost += (
-            f', later ones {statistics.median(later):.2f}s: {report.one_time_cost:.2f}s of '
-            'one-time cost moved out of the real run'
-        )
-    if report.skipped_steps:
-        cost += f'; {report.skipped_steps} skipped by the loss scaler'
-    print_rank_0(
-        f'[warmup] Ran {num_steps} warmup train steps in {report.seconds:.2f}s ({cost}) and '
-        'restored the model, optimizer, scheduler, RNG and counters '
-        f'({snapshot.nbytes / 2**20:.1f} MiB staged in host memory)'
-    )
+    _log_report(report)
     return report

@@ -229,7 +229,8 @@ def scenario_reset_restores_calibration(ctx, bucket_size=None):
 
     A second reset inside a no_sync() window checks is_last_microbatch is re-armed, and the next
     step recalibrates to the same golden counts. A reset with keep_golden_counts=True in between
-    keeps those counts, and the step after it runs on them without recalibrating.
+    keeps those counts, and the step after it runs on them without recalibrating; then the
+    options recalibrate_params and keep_bucket_groups pick the groups that reset.
     """
     ddp = _build(ctx, bucket_size=bucket_size)
     norms = [_step(ddp, ctx, 0), _step(ddp, ctx, 1)]
@@ -243,6 +244,13 @@ def scenario_reset_restores_calibration(ctx, bucket_size=None):
     kept = [_state(g) for g in _groups(ddp)]
     norms.append(_step(ddp, ctx, 4))
     after_kept_step = [_state(g) for g in _groups(ddp)]
+    # The options that pick bucket groups: keep all but the first group's counts, then reset all
+    # but the last group's (is_first_batch after each; the groups are calibrated by now).
+    first_param = next(iter(_groups(ddp)[0].params))
+    ddp.reset_grad_ready_calibration(True, recalibrate_params=[first_param])
+    recalibrate_params = [g.is_first_batch for g in _groups(ddp)]
+    ddp.reset_grad_ready_calibration(keep_bucket_groups=[_groups(ddp)[-1]])
+    keep_bucket_groups = [g.is_first_batch for g in _groups(ddp)]
     with ddp.no_sync():
         in_no_sync = ddp.reset_grad_ready_calibration()
         last_mb_after_reset = [g.is_last_microbatch for g in _groups(ddp)]
@@ -258,6 +266,8 @@ def scenario_reset_restores_calibration(ctx, bucket_size=None):
         'kept_result': kept_result,
         'kept': kept,
         'after_kept_step': after_kept_step,
+        'recalibrate_params': recalibrate_params,
+        'keep_bucket_groups': keep_bucket_groups,
         'in_no_sync_result': list(in_no_sync),
         'last_mb_after_reset': last_mb_after_reset,
         'norms': norms,

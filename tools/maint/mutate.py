@@ -42,6 +42,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 MUTATIONS = Path(__file__).resolve().parent / 'mutations'
 REQUIRED = ('id', 'file', 'old', 'new', 'tests', 'why')
+# pytest's output as one text stream, in a session of its own (a signal reaches its workers too).
+PYTEST_OUTPUT = {
+    'stdout': subprocess.PIPE,
+    'stderr': subprocess.STDOUT,
+    'text': True,
+    'start_new_session': True,
+}
 
 
 class SpecError(Exception):
@@ -164,15 +171,7 @@ def run_one(mutation, tree, python, pytest_args, stream=None):
     try:
         _drop_bytecode(path)
         path.write_bytes(mutated)
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, **PYTEST_OUTPUT)
         output = []
         for line in proc.stdout:
             output.append(line)

@@ -30,74 +30,73 @@ _FEWER_CAUSE = (
 )
 
 
-def _ordered_params(bucket_group) -> List[torch.nn.Parameter]:
-    return [param for bucket in bucket_group.buckets for param in bucket.params_list]
-
-
-def _describe(bucket_group, params: List[torch.nn.Parameter], counts=None) -> str:
-    names = getattr(bucket_group, 'param_to_name', None) or {}
-    items = []
-    for param in params[:_MAX_LISTED]:
-        item = f"{names.get(param, '<unnamed>')} {tuple(param.shape)}"
-        if counts is not None:
-            golden = bucket_group.golden_per_param_grad_ready_counts.get(param, 0)
-            item += f" ({counts.get(param, 0)} of {golden})"
-        items.append(item)
-    if len(params) > _MAX_LISTED:
-        items.append(f"... and {len(params) - _MAX_LISTED} more")
-    return ", ".join(items)
-
-
 def _rank() -> str:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return f"rank {torch.distributed.get_rank()}"
     return "this process"
 
 
-def missing_grad_ready_message(bucket_group, calibrating: bool) -> str:
-    """
-    Explain why a bucket group's grad reduce was never dispatched.
+class GradReadyDiagnostics:
+    """The messages of _ParamAndGradBucketGroup for a grad reduce that is never dispatched,
+    naming the params that did not register their grads."""
 
-    Args:
-        bucket_group: the _ParamAndGradBucketGroup that failed its check.
-        calibrating: True when the first (calibration) batch ended without a registration from
-            every param (reset()); False when finish_grad_sync found no reduce in flight.
+    def _describe_params(self, params: List[torch.nn.Parameter], counts=None) -> str:
+        names = getattr(self, 'param_to_name', None) or {}
+        items = []
+        for param in params[:_MAX_LISTED]:
+            item = f"{names.get(param, '<unnamed>')} {tuple(param.shape)}"
+            if counts is not None:
+                golden = self.golden_per_param_grad_ready_counts.get(param, 0)
+                item += f" ({counts.get(param, 0)} of {golden})"
+            items.append(item)
+        if len(params) > _MAX_LISTED:
+            items.append(f"... and {len(params) - _MAX_LISTED} more")
+        return ", ".join(items)
 
-    Returns:
-        str: the error message, naming the parameters that did not report.
-    """
-    counts = bucket_group.per_param_grad_ready_counts
-    params = _ordered_params(bucket_group)
-    missing = [param for param in params if param not in counts]
-    fewer = []
-    if not calibrating:
-        golden = bucket_group.golden_per_param_grad_ready_counts
-        fewer = [p for p in params if p in counts and counts[p] < golden.get(p, 0)]
-    reported = f"{len(counts)}/{len(bucket_group.params)} params have grad available"
-    if calibrating:
-        head = (
-            f"Grad-ready calibration failed: in the first batch only {reported} in this bucket "
-            "group. With overlap_grad_reduce=True a bucket group's grad reduce is dispatched "
-            "once every param in it has registered its grad as ready, so it would never be "
-            "dispatched."
-        )
-    else:
-        head = (
-            f"Communication call has not been issued for this bucket ({reported}). With "
-            "overlap_grad_reduce=True a bucket group's grad reduce is dispatched once every "
-            "param in it has registered its grad as ready as often as in the first "
-            "(calibration) batch."
-        )
-    parts = [head]
-    if missing:
-        parts.append(
-            f"On {_rank()}, {len(missing)} param(s) did not register a grad in this batch: "
-            f"{_describe(bucket_group, missing)}. {_MISSING_CAUSE}"
-        )
-    if fewer:
-        parts.append(
-            f"On {_rank()}, {len(fewer)} param(s) registered fewer times than in the calibration "
-            f"batch (this batch of calibrated): {_describe(bucket_group, fewer, counts)}. "
-            f"{_FEWER_CAUSE}"
-        )
-    return " ".join(parts)
+    def missing_grad_ready_message(self, calibrating: bool) -> str:
+        """
+        Explain why this bucket group's grad reduce was never dispatched.
+
+        Args:
+            calibrating: True when the first (calibration) batch ended without a registration
+                from every param (reset()); False when finish_grad_sync found no reduce in
+                flight.
+
+        Returns:
+            str: the error message, naming the parameters that did not report.
+        """
+        counts = self.per_param_grad_ready_counts
+        params = [param for bucket in self.buckets for param in bucket.params_list]
+        missing = [param for param in params if param not in counts]
+        fewer = []
+        if not calibrating:
+            golden = self.golden_per_param_grad_ready_counts
+            fewer = [p for p in params if p in counts and counts[p] < golden.get(p, 0)]
+        reported = f"{len(counts)}/{len(self.params)} params have grad available"
+        if calibrating:
+            head = (
+                f"Grad-ready calibration failed: in the first batch only {reported} in this "
+                "bucket group. With overlap_grad_reduce=True a bucket group's grad reduce is "
+                "dispatched once every param in it has registered its grad as ready, so it "
+                "would never be dispatched."
+            )
+        else:
+            head = (
+                f"Communication call has not been issued for this bucket ({reported}). With "
+                "overlap_grad_reduce=True a bucket group's grad reduce is dispatched once every "
+                "param in it has registered its grad as ready as often as in the first "
+                "(calibration) batch."
+            )
+        parts = [head]
+        if missing:
+            parts.append(
+                f"On {_rank()}, {len(missing)} param(s) did not register a grad in this batch: "
+                f"{self._describe_params(missing)}. {_MISSING_CAUSE}"
+            )
+        if fewer:
+            parts.append(
+                f"On {_rank()}, {len(fewer)} param(s) registered fewer times than in the "
+                "calibration batch (this batch of calibrated): "
+                f"{self._describe_params(fewer, counts)}. {_FEWER_CAUSE}"
+            )
+        return " ".join(parts)

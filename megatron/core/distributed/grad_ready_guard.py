@@ -5,27 +5,30 @@
 import torch
 
 
-def grad_ready_mismatch_message(bucket_group, param: torch.nn.Parameter) -> str:
-    """
-    Explain a grad-ready registration that the calibrated counts do not allow.
+class GradReadyGuard:
+    """The message of _ParamAndGradBucketGroup.register_grad_ready for a registration that the
+    calibrated counts do not allow (built only when it raises)."""
 
-    Args:
-        bucket_group: the _ParamAndGradBucketGroup that received the registration.
-        param: the parameter whose grad was registered as ready.
+    def grad_ready_mismatch_message(self, param: torch.nn.Parameter) -> str:
+        """
+        Explain a grad-ready registration that the calibrated counts do not allow.
 
-    Returns:
-        str: the error message.
-    """
-    count = bucket_group.per_param_grad_ready_counts[param]
-    golden = bucket_group.golden_per_param_grad_ready_counts.get(param, 0)
-    in_flight = bucket_group.grad_reduce_handle is not None
-    return (
-        f"Grad-ready calibration mismatch: a param of shape {tuple(param.shape)} registered its "
-        f"grad as ready {count} time(s) in this batch, but the calibration (first) batch "
-        f"recorded {golden} (grad reduce in flight: {in_flight}). The grad reduce is dispatched "
-        "when the counts match, so gradients accumulated after it would be lost. Likely origin: "
-        "steps run without no_sync_func (e.g. a warm-up before train() installed its callbacks) "
-        "or without finish_grad_sync, so batches counted different microbatches. Remedy: "
-        "install config.no_sync_func for every step, or call "
-        "DistributedDataParallel.reset_grad_ready_calibration() after the mismatching steps."
-    )
+        Args:
+            param: the parameter whose grad was registered as ready.
+
+        Returns:
+            str: the error message.
+        """
+        count = self.per_param_grad_ready_counts[param]
+        golden = self.golden_per_param_grad_ready_counts.get(param, 0)
+        in_flight = self.grad_reduce_handle is not None
+        return (
+            f"Grad-ready calibration mismatch: a param of shape {tuple(param.shape)} registered "
+            f"its grad as ready {count} time(s) in this batch, but the calibration (first) batch "
+            f"recorded {golden} (grad reduce in flight: {in_flight}). The grad reduce is "
+            "dispatched when the counts match, so gradients accumulated after it would be lost. "
+            "Likely origin: steps run without no_sync_func (e.g. a warm-up before train() "
+            "installed its callbacks) or without finish_grad_sync, so batches counted different "
+            "microbatches. Remedy: install config.no_sync_func for every step, or call "
+            "DistributedDataParallel.reset_grad_ready_calibration() after the mismatching steps."
+        )

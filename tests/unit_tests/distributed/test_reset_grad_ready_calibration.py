@@ -145,3 +145,20 @@ class TestResetGradReadyCalibration:
             model(x).square().sum().backward()
         assert all(group.grad_reduce_handle is not None for group in groups)
         model.finish_grad_sync()
+
+    def test_reset_options_pick_the_bucket_groups(self):
+        """recalibrate_params resets the groups holding one of them although keep_golden_counts
+        keeps the others; keep_bucket_groups keeps its groups in a full reset."""
+        model = _wrap(DenseAndExpertModel().cuda())
+        _run_batch(model, self._microbatches(), use_no_sync=True)
+        model.zero_grad_buffer()  # calibrated: the dense group and the expert group
+        dense, expert = model.bucket_groups + model.expert_parallel_bucket_groups
+        assert not dense.is_first_batch and not expert.is_first_batch
+
+        routed = [model.module.expert.weight]
+        assert model.reset_grad_ready_calibration(True, recalibrate_params=routed) == (2, 0)
+        assert not dense.is_first_batch and expert.is_first_batch
+
+        assert model.reset_grad_ready_calibration(keep_bucket_groups=[dense]) == (2, 0)
+        assert not dense.is_first_batch and dense.golden_per_param_grad_ready_counts
+        assert expert.is_first_batch and expert.golden_per_param_grad_ready_counts == {}
