@@ -310,32 +310,23 @@ def cases():
             out.append(dict(kind='finetune', pa=pa, frac=frac, fp32=False, layout='torch'))
         out.append(dict(kind='finetune', pa=pa, frac=1.0, fp32=True, layout='torch'))
     out.append(dict(kind='finetune', pa=True, frac=1.0, fp32=False, overlap=True, layout='torch'))
-    for pa in (True, False):
-        for frac in (0.0, 0.5, 1.0):
-            for sharding in ('dp_reshardable', 'fully_reshardable'):
-                for load_steps in (0, 1):
-                    out.append(
-                        dict(
-                            kind='resume',
-                            pa=pa,
-                            frac=frac,
-                            sharding=sharding,
-                            load_steps=load_steps,
-                            layout='torch',
-                        )
+    # The torch layout over every precision-aware setting and offload fraction; the TE layout
+    # (precision-aware, everything offloaded) once per sharding and loader.
+    grid = [(pa, frac, 'torch') for pa in (True, False) for frac in (0.0, 0.5, 1.0)]
+    grid.append((True, 1.0, 'te'))
+    for pa, frac, layout in grid:
+        for sharding in ('dp_reshardable', 'fully_reshardable'):
+            for load_steps in (0, 1):
+                out.append(
+                    dict(
+                        kind='resume',
+                        pa=pa,
+                        frac=frac,
+                        sharding=sharding,
+                        load_steps=load_steps,
+                        layout=layout,
                     )
-    for sharding in ('dp_reshardable', 'fully_reshardable'):
-        for load_steps in (0, 1):
-            out.append(
-                dict(
-                    kind='resume',
-                    pa=True,
-                    frac=1.0,
-                    sharding=sharding,
-                    load_steps=load_steps,
-                    layout='te',
                 )
-            )
     return out
 
 
