@@ -46,79 +46,22 @@ def verify(manifest_path=None, do_import=False):
     Returns:
         (ok, report lines)
     """
-    report, ok = [], True
     if manifest_path is None:
         manifest_path = installed_manifest()
     manifest_path = Path(manifest_path)
     if not manifest_path.is_file():
-        try:
-            dist = importlib.metadata.distribution("megatron-core")
-        except importlib.metadata.PackageNotFoundError:
-            dist = None
-        if dist is not None and "+fork." not in dist.version:
-            # e.g. `pip install --force-reinstall megatron-core==X` replaced the fork.
-            return False, [
-                f"megatron-core {dist.version} at {dist.locate_file('')} is upstream's, not the "
-                "fork: it replaced or shadows the fork (run tools/install.sh again)"
-            ]
-        return False, [
-            f"no fork manifest at {manifest_path}: the fork is not installed here "
-            "(run tools/install.sh, or pip install . after tools/fork.py materialize)"
-        ]
+        return False, [_no_manifest_reason(manifest_path)]
     manifest = json.loads(manifest_path.read_text())
     spec = importlib.util.find_spec("megatron.core")
     if spec is None or not spec.origin:
         return False, ["megatron.core is not importable"]
     core_dir = Path(spec.origin).resolve().parent
     root = core_dir.parent.parent
-    report.append(f"megatron.core resolves to {core_dir}")
-    if root != manifest_path.resolve().parent.parent:
-        ok = False
-        report.append(
-            f"SHADOWED: megatron.core at {core_dir} is not the fork installed with "
-            f"{manifest_path}; "
-            "an upstream megatron-core (or another checkout) comes first on sys.path"
-        )
-    try:
-        version = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if version != manifest["version"]:
-        ok = False
-        report.append(
-            f"distribution megatron-core is {version!r}, "
-            f"the manifest says {manifest['version']!r}: "
-            "an upstream megatron-core is installed over or beside the fork"
-        )
-    bad = []
-    for rel, digest in manifest["files"].items():
-        path = root / rel
-        if not path.is_file():
-            bad.append(f"missing {rel}")
-        elif sha256_file(path) != digest:
-            bad.append(f"modified {rel}")
-    shipped = {
-        rel
-        for rel in (p.relative_to(root).as_posix() for p in root.glob("megatron/**/*.py"))
-        if rel.startswith(OWNED_PACKAGES)
-    }
-    extra = sorted(shipped - set(manifest["files"]))
-    bad += [f"unexpected {rel}" for rel in extra]
-    leaked = [rel for rel in shipped if any(m in rel for m in TEST_ONLY_MARKERS)]
-    bad += [f"test-only code shipped: {rel}" for rel in leaked]
-    if bad:
-        ok = False
-        report += bad[:20] + ([f"... and {len(bad) - 20} more"] if len(bad) > 20 else [])
-    base = manifest["base"]
-    origin = (
-        f"{base['wheel']}, sha256 {base['sha256'][:16]}..."
-        if base.get("wheel")
-        else f"Megatron-LM commit {str(base.get('commit'))[:12]}"
-    )
-    report.append(
-        f"base megatron-core {base['name']} ({origin}), {len(manifest['files'])} files checked, "
-        f"{len(manifest['patches'])} patches: " + ", ".join(p["name"] for p in manifest["patches"])
-    )
+    report = [f"megatron.core resolves to {core_dir}"]
+    problems = _install_problems(manifest_path, manifest, core_dir, root)
+    report += problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+    ok = not problems
+    report.append(_summary_line(manifest))
     siblings = sibling_distributions(root)
     if siblings:
         report.append(
@@ -136,6 +79,73 @@ def verify(manifest_path=None, do_import=False):
             report.append(f"import failed: {type(exc).__name__}: {exc}")
     report.append("verify: OK" if ok else "verify: FAILED")
     return ok, report
+
+
+def _no_manifest_reason(manifest_path):
+    """Why there is no manifest: upstream's megatron-core replaced the fork, or no fork here."""
+    try:
+        dist = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None and "+fork." not in dist.version:
+        # e.g. `pip install --force-reinstall megatron-core==X` replaced the fork.
+        return (
+            f"megatron-core {dist.version} at {dist.locate_file('')} is upstream's, not the "
+            "fork: it replaced or shadows the fork (run tools/install.sh again)"
+        )
+    return (
+        f"no fork manifest at {manifest_path}: the fork is not installed here "
+        "(run tools/install.sh, or pip install . after tools/fork.py materialize)"
+    )
+
+
+def _install_problems(manifest_path, manifest, core_dir, root):
+    """Shadowing, a version other than the manifest's, and files that differ from it."""
+    problems = []
+    if root != manifest_path.resolve().parent.parent:
+        problems.append(
+            f"SHADOWED: megatron.core at {core_dir} is not the fork installed with "
+            f"{manifest_path}; "
+            "an upstream megatron-core (or another checkout) comes first on sys.path"
+        )
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version != manifest["version"]:
+        problems.append(
+            f"distribution megatron-core is {version!r}, "
+            f"the manifest says {manifest['version']!r}: "
+            "an upstream megatron-core is installed over or beside the fork"
+        )
+    for rel, digest in manifest["files"].items():
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"missing {rel}")
+        elif sha256_file(path) != digest:
+            problems.append(f"modified {rel}")
+    shipped = {
+        rel
+        for rel in (p.relative_to(root).as_posix() for p in root.glob("megatron/**/*.py"))
+        if rel.startswith(OWNED_PACKAGES)
+    }
+    problems += [f"unexpected {rel}" for rel in sorted(shipped - set(manifest["files"]))]
+    leaked = [rel for rel in shipped if any(m in rel for m in TEST_ONLY_MARKERS)]
+    problems += [f"test-only code shipped: {rel}" for rel in leaked]
+    return problems
+
+
+def _summary_line(manifest):
+    base = manifest["base"]
+    origin = (
+        f"{base['wheel']}, sha256 {base['sha256'][:16]}..."
+        if base.get("wheel")
+        else f"Megatron-LM commit {str(base.get('commit'))[:12]}"
+    )
+    return (
+        f"base megatron-core {base['name']} ({origin}), {len(manifest['files'])} files checked, "
+        f"{len(manifest['patches'])} patches: " + ", ".join(p["name"] for p in manifest["patches"])
+    )
 
 
 def sibling_distributions(root):

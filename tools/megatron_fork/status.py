@@ -210,6 +210,28 @@ def status(pin, ws, names, revs=(), git_repo=None, am3=False, source=None, ref_s
         A :class:`Result`.
     """
     changes = series_mod.load_changes(ws.patch_root)
+    columns, skipped = _columns(pin, names, revs, git_repo, ref_series)
+    reps = {}
+    for column in columns:
+        patches = series_mod.load_series(ws.patch_dir(column.series))
+        for patch in patches:
+            reps.setdefault(_row_key(patch), patch)
+        _fill_patch_cells(pin, column, patches, changes, git_repo, source)
+        _fill_change_cells(column, changes, git_repo)
+        if am3 and column.rev:
+            column.am3 = am3_check(patches, git_repo, column.rev)
+    order = {slug: c.get("number", 0) for slug, c in changes.items()}
+    rows = []
+    for column in columns:
+        for row in column.cells:
+            if row not in rows:
+                rows.append(row)
+    rows.sort(key=lambda r: (order.get(r, 10**6), r))
+    return Result(rows, columns, reps, skipped, changes)
+
+
+def _columns(pin, names, revs, git_repo, ref_series):
+    """The matrix's columns (pinned bases, then refs) and the names skipped without a clone."""
     columns, skipped = [], []
     for name in names:
         if is_git_base(pin, name):
@@ -227,63 +249,58 @@ def status(pin, ws, names, revs=(), git_repo=None, am3=False, source=None, ref_s
         sha = resolve_rev(git_repo, rev)
         label = rev if rev.startswith(sha[:7]) else f"{rev}@{sha[:8]}"
         columns.append(Column(label, rev, ref_series or pin["primary"], sha))
-    rows, reps = [], {}
-    for column in columns:
-        patches = series_mod.load_series(ws.patch_dir(column.series))
+    return columns, skipped
+
+
+def _fill_patch_cells(pin, column, patches, changes, git_repo, source):
+    """One cell per patch of the column's series: recorded upstream, or how it applies there."""
+    tmp = Path(tempfile.mkdtemp(prefix="fork-status-"))
+    try:
+        if column.rev:
+            extract_git(git_repo, column.rev, tmp)
+        else:
+            obtain_tree(pin, column.base, tmp, **(source or {}))
+        carried = [
+            p for p in patches
+            if not series_mod.upstream_record(changes, p.change, column.base)
+        ]  # fmt: skip
+        by_name = evaluate(carried, tmp, git_repo)
         for patch in patches:
-            reps.setdefault(_row_key(patch), patch)
-        tmp = Path(tempfile.mkdtemp(prefix="fork-status-"))
-        try:
-            if column.rev:
-                extract_git(git_repo, column.rev, tmp)
-            else:
-                obtain_tree(pin, column.base, tmp, **(source or {}))
-            carried = [
-                p for p in patches
-                if not series_mod.upstream_record(changes, p.change, column.base)
-            ]  # fmt: skip
-            by_name = evaluate(carried, tmp, git_repo)
-            for patch in patches:
-                record = series_mod.upstream_record(changes, patch.change, column.base)
-                if record:
-                    detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
-                    column.cells[_row_key(patch)] = (UPSTREAM, detail)
-                else:
-                    column.cells[_row_key(patch)] = by_name[patch.name]
-                commit = changes.get(patch.change, {}).get("upstream_commit")
-                outcome = column.cells[_row_key(patch)][0]
-                if (
-                    outcome == CONFLICT
-                    and column.rev
-                    and commit
-                    and _is_ancestor(git_repo, commit, column.rev)
-                ):
-                    # Upstream's own version was merged and has moved on since, so neither the
-                    # backport nor upstream's hunks reverse-apply; the history says it is there.
-                    detail = f"upstream commit {commit[:10]} is an ancestor of {column.label}"
-                    column.cells[_row_key(patch)] = (UPSTREAM, detail)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for slug, entry in changes.items():
-            if slug in column.cells:
-                continue
-            record = series_mod.upstream_record(changes, slug, column.base)
-            commit = entry.get("upstream_commit")
+            record = series_mod.upstream_record(changes, patch.change, column.base)
             if record:
                 detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
-                column.cells[slug] = (UPSTREAM, detail)
-            elif column.rev and commit and _is_ancestor(git_repo, commit, column.rev):
+                column.cells[_row_key(patch)] = (UPSTREAM, detail)
+            else:
+                column.cells[_row_key(patch)] = by_name[patch.name]
+            commit = changes.get(patch.change, {}).get("upstream_commit")
+            outcome = column.cells[_row_key(patch)][0]
+            if (
+                outcome == CONFLICT
+                and column.rev
+                and commit
+                and _is_ancestor(git_repo, commit, column.rev)
+            ):
+                # Upstream's own version was merged and has moved on since, so neither the
+                # backport nor upstream's hunks reverse-apply; the history says it is there.
                 detail = f"upstream commit {commit[:10]} is an ancestor of {column.label}"
-                column.cells[slug] = (UPSTREAM, detail)
-        if am3 and column.rev:
-            column.am3 = am3_check(patches, git_repo, column.rev)
-    order = {slug: c.get("number", 0) for slug, c in changes.items()}
-    for column in columns:
-        for row in column.cells:
-            if row not in rows:
-                rows.append(row)
-    rows.sort(key=lambda r: (order.get(r, 10**6), r))
-    return Result(rows, columns, reps, skipped, changes)
+                column.cells[_row_key(patch)] = (UPSTREAM, detail)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fill_change_cells(column, changes, git_repo):
+    """Changes the column's series does not carry: upstream there (recorded or by history)."""
+    for slug, entry in changes.items():
+        if slug in column.cells:
+            continue
+        record = series_mod.upstream_record(changes, slug, column.base)
+        commit = entry.get("upstream_commit")
+        if record:
+            detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
+            column.cells[slug] = (UPSTREAM, detail)
+        elif column.rev and commit and _is_ancestor(git_repo, commit, column.rev):
+            detail = f"upstream commit {commit[:10]} is an ancestor of {column.label}"
+            column.cells[slug] = (UPSTREAM, detail)
 
 
 def am3_check(patches, git_repo, commit):
