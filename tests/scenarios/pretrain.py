@@ -246,12 +246,8 @@ def _digest(model, optimizer):
     return model_digest, h.hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _recorders(out):
-    """Wrap training_log / train (and run_warmup on the fork) to record what the run did."""
-    from megatron.training import training
-
-    original_log, original_train = training.training_log, training.train
+def _log_recorder(out, original_log):
+    """training_log, recording each real iteration's losses, lr, loss scale and grad norm."""
 
     @functools.wraps(original_log)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *a, **kw):
@@ -270,6 +266,12 @@ def _recorders(out):
             loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *a, **kw
         )
 
+    return training_log
+
+
+def _train_recorder(out, original_train):
+    """train, marking the time inside it and digesting the model and optimizer it leaves."""
+
     @functools.wraps(original_train)
     def train(forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw):
         out['inside_train'] = True
@@ -283,6 +285,52 @@ def _recorders(out):
         out['final_scheduler_steps'] = opt_param_scheduler.num_steps
         return result
 
+    return train
+
+
+def _warmup_recorders(out, training):
+    """train_step counting the real steps and run_warmup recording each call: (both wrappers)."""
+    original_run = training.run_warmup
+
+    original_step = training.train_step
+    real_steps = []
+
+    @functools.wraps(original_step)
+    def train_step(*a, **kw):
+        if not out['warmup_calls'] or 'done' in out['warmup_calls'][-1]:
+            real_steps.append(1)
+        return original_step(*a, **kw)
+
+    @functools.wraps(original_run)
+    def run_warmup(*a, **kw):
+        from megatron.training.global_vars import get_timers
+
+        call = {
+            'inside_train': out['inside_train'],
+            'real_train_steps_before': len(real_steps),
+            # train() creates its interval timer after the warmup hook.
+            'interval_timer_before': 'interval-time' in get_timers().get_all_timers(),
+        }
+        out['warmup_calls'].append(call)
+        try:
+            report = original_run(*a, **kw)
+            call['steps'] = len(report.losses)  # the steps that ran
+            return report
+        finally:
+            call['done'] = True
+
+    return train_step, run_warmup
+
+
+@contextlib.contextmanager
+def _recorders(out):
+    """Wrap training_log / train (and run_warmup on the fork) to record what the run did."""
+    from megatron.training import training
+
+    original_log, original_train = training.training_log, training.train
+    training_log = _log_recorder(out, original_log)
+    train = _train_recorder(out, original_train)
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(training, 'training_log', training_log))
         stack.enter_context(patched(training, 'train', train))
@@ -290,35 +338,7 @@ def _recorders(out):
         with contextlib.suppress(ImportError):
             from megatron.training import warmup
         if warmup is not None:
-            original_run = training.run_warmup
-
-            original_step = training.train_step
-            real_steps = []
-
-            @functools.wraps(original_step)
-            def train_step(*a, **kw):
-                if not out['warmup_calls'] or 'done' in out['warmup_calls'][-1]:
-                    real_steps.append(1)
-                return original_step(*a, **kw)
-
-            @functools.wraps(original_run)
-            def run_warmup(*a, **kw):
-                from megatron.training.global_vars import get_timers
-
-                call = {
-                    'inside_train': out['inside_train'],
-                    'real_train_steps_before': len(real_steps),
-                    # train() creates its interval timer after the warmup hook.
-                    'interval_timer_before': 'interval-time' in get_timers().get_all_timers(),
-                }
-                out['warmup_calls'].append(call)
-                try:
-                    report = original_run(*a, **kw)
-                    call['steps'] = len(report.losses)  # the steps that ran
-                    return report
-                finally:
-                    call['done'] = True
-
+            train_step, run_warmup = _warmup_recorders(out, training)
             stack.enter_context(patched(training, 'train_step', train_step))
             stack.enter_context(patched(training, 'run_warmup', run_warmup))
         yield
