@@ -362,21 +362,8 @@ class _Tee(io.TextIOBase):
 # Scenario.
 
 
-def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
-    """Run the ``driver``'s GPT script with ``argv`` through pretrain(); report what it did.
-
-    Args:
-        argv: command-line arguments after the script name.
-        driver: 'tiny_gpt' (tests/driver/pretrain_tiny_gpt.py) or 'pretrain_gpt' (upstream's,
-            from FORK_MEGATRON_LM at ``tag``).
-        tag: Megatron-LM ref upstream's scripts are read from (default: the base's own).
-
-    Returns:
-        {'exit': SystemExit code or None, 'argparse_error': last 'error:' line on stderr,
-        'iterations': [per real iteration: losses/lr/loss_scale/grad_norm as float hex],
-        'final_model'/'final_optimizer': digests after train(), 'warmup_calls': [num_steps],
-        'warmup_log': the '[warmup]' stdout lines, 'printed_loss': {iteration: lm loss}}.
-    """
+def _driver_script(ctx, driver, tag):
+    """The driver's script, upstream's copied into a fresh work folder: (workdir, script)."""
     if driver == 'tiny_gpt':
         workdir, script = None, TINY_GPT
     elif driver == 'pretrain_gpt':
@@ -389,22 +376,11 @@ def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
         script = os.path.join(workdir, 'pretrain_gpt.py')
     else:
         raise ValueError(f'unknown driver {driver!r}; known: {", ".join(DRIVERS)}')
+    return workdir, script
 
-    # What torchrun would export; pretrain_gpt.py reads RANK, the arguments the rest.
-    os.environ.update(
-        RANK=str(ctx.rank),
-        LOCAL_RANK=str(ctx.rank if ctx.device.type == 'cuda' else 0),
-        WORLD_SIZE=str(ctx.world_size),
-    )
-    out = {
-        'inside_train': False,
-        'exit': None,
-        'argparse_error': None,
-        'iterations': [],
-        'warmup_calls': [],
-        'warmup_log': [],
-    }
-    on_cpu = ctx.device.type == 'cpu'
+
+def _prepare_world(ctx):
+    """Empty the MTP loss tracker and give every rank the dataset helpers (rank 0 builds them)."""
     # A fresh pretrain_gpt.py process starts with empty loss trackers; an earlier scenario of the
     # same world may have left the class-level MTP tracker in another mode (dev asserts on that).
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -416,6 +392,9 @@ def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
     # Every rank builds dataset indices (MockGPTDataset), so every rank needs the helper.
     _register_helpers(_build_helpers(ctx.tree_path))
 
+
+def _run_script(ctx, script, workdir, argv, out, on_cpu):
+    """Run the script as __main__ with ``argv``, recording into ``out``; return (stdout, stderr)."""
     import_with_real_cuda('megatron.training.training')
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import initialize, training
@@ -451,6 +430,11 @@ def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
         sys.argv, sys.path[:] = saved_argv, saved_path
         for name in ('model_provider', 'gpt_builders'):
             sys.modules.pop(name, None)
+    return stdout, stderr
+
+
+def _summarize(out, stdout, stderr):
+    """Add the argparse error, the warmup log and the printed losses to ``out``."""
     errors = [line for line in stderr.getvalue().splitlines() if ': error: ' in line]
     out['argparse_error'] = errors[-1] if errors else None
     for call in out['warmup_calls']:
@@ -463,4 +447,41 @@ def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
         int(m.group(1)): m.group(2)
         for m in re.finditer(r' iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|', stdout.getvalue())
     }
+
+
+def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
+    """Run the ``driver``'s GPT script with ``argv`` through pretrain(); report what it did.
+
+    Args:
+        argv: command-line arguments after the script name.
+        driver: 'tiny_gpt' (tests/driver/pretrain_tiny_gpt.py) or 'pretrain_gpt' (upstream's,
+            from FORK_MEGATRON_LM at ``tag``).
+        tag: Megatron-LM ref upstream's scripts are read from (default: the base's own).
+
+    Returns:
+        {'exit': SystemExit code or None, 'argparse_error': last 'error:' line on stderr,
+        'iterations': [per real iteration: losses/lr/loss_scale/grad_norm as float hex],
+        'final_model'/'final_optimizer': digests after train(), 'warmup_calls': [num_steps],
+        'warmup_log': the '[warmup]' stdout lines, 'printed_loss': {iteration: lm loss}}.
+    """
+    workdir, script = _driver_script(ctx, driver, tag)
+
+    # What torchrun would export; pretrain_gpt.py reads RANK, the arguments the rest.
+    os.environ.update(
+        RANK=str(ctx.rank),
+        LOCAL_RANK=str(ctx.rank if ctx.device.type == 'cuda' else 0),
+        WORLD_SIZE=str(ctx.world_size),
+    )
+    out = {
+        'inside_train': False,
+        'exit': None,
+        'argparse_error': None,
+        'iterations': [],
+        'warmup_calls': [],
+        'warmup_log': [],
+    }
+    on_cpu = ctx.device.type == 'cpu'
+    _prepare_world(ctx)
+    stdout, stderr = _run_script(ctx, script, workdir, argv, out, on_cpu)
+    _summarize(out, stdout, stderr)
     return out
