@@ -510,6 +510,143 @@ def _resume(trainer, scheduler, args, acc, steps):
     run.leave()
 
 
+def _arm_start(ctx, combo, acc, dtype, overlap, distopt, opg, opt_kwargs):
+    """Build one arm, seed it, then the combo's resume steps and eval-mode submodule."""
+    trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
+    args.align_param_gather = combo.get('align_param_gather', False)
+    _seed_all()
+    if combo.get('resume'):
+        _resume(trainer, scheduler, args, acc, combo['resume'])
+    if combo.get('eval_module'):
+        for name, module in trainer.model.named_modules():
+            if name.endswith(combo['eval_module']):
+                module.eval()
+    return trainer, scheduler, args
+
+
+def _negative_control(combo, arm):
+    """The fork arm's negative control of ``combo['break']`` (a no-op context otherwise)."""
+    broken = contextlib.nullcontext()
+    if arm == 'fork' and combo.get('break') == 'rng':
+        # Negative control: skip the RNG restore; the comparison must then detect a change.
+        from megatron.training import state_snapshot
+
+        broken = _patched(state_snapshot.TrainingStateSnapshot, '_restore_rng', lambda self: None)
+    if arm == 'fork' and combo.get('break') == 'loss_scale':
+        from megatron.training import warmup as warmup_module
+
+        broken = _patched(warmup_module, '_hold_loss_scale', lambda optimizer: None)
+    return broken
+
+
+def _start_state(trainer, scheduler, args):
+    """The counters and optimizer state an arm starts its warmup (or first real step) with."""
+    return {
+        'scheduler_num_steps': scheduler.num_steps,
+        'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),
+        'iteration': args.iteration,
+        'adam_steps': _adam_steps(trainer),
+    }
+
+
+def _call_warmup(ctx, trainer, scheduler, args, param_sync_func, path, warmup_steps):
+    """Run the warmup by ``path``: train()'s own call (steps from the args, GPT batches), or
+    run_warmup directly."""
+    if path == 'train':  # train()'s own call: steps from the args, GPT batches
+        args.warmup_train_steps = warmup_steps
+        try:
+            return _run_warmup(trainer, scheduler, param_sync_func)
+        finally:
+            args.warmup_train_steps = 0
+    return _direct_warmup(ctx, trainer, scheduler, args, param_sync_func, warmup_steps)
+
+
+def _record_report(res, report, trainer):
+    """What the warmup's report says, and whether a fresh optimizer state stayed fresh."""
+    res['host_staging_bytes'] = report.host_staging_bytes
+    res['groups_reset'] = report.bucket_groups_reset
+    res['calibration_kept'] = report.calibration_kept
+    res['skipped_steps'] = report.skipped_steps
+    res['fresh_state_kept'] = _fresh_state_kept(trainer, res['start']['optimizer_state'])
+    res['warmup_losses'] = [float(x['loss']) for x in report.losses]
+
+
+def _fork_warmup(ctx, trainer, scheduler, args, res, contexts, path, warmup_steps):
+    """The fork arm's warmup hook, recording into ``res`` what the warmup changed and restored.
+
+    ``contexts``: (the negative control, the save_grads recorder), entered around the warmup.
+    """
+    from megatron.training import global_vars
+
+    broken, recorder = contexts
+
+    def warmup(param_sync_func):
+        """Where train() calls run_warmup(): right after install_train_loop_hooks()."""
+        timers = global_vars.get_timers()
+        elapsed = {n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()}
+        before = _digests(trainer, scheduler, args)
+        callbacks_before = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
+        hooks_before = _hooks(trainer)
+        states_seen = _record_optimizer_state(trainer, res)
+        scales_seen = _record_loss_scales(trainer, res)
+        with contextlib.redirect_stdout(io.StringIO()), broken, recorder, states_seen, scales_seen:
+            report = _call_warmup(
+                ctx, trainer, scheduler, args, param_sync_func, path, warmup_steps
+            )
+        _record_report(res, report, trainer)
+        after = _digests(trainer, scheduler, args)
+        res['after_warmup_equals_before'] = after == before
+        res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
+        # The set-up handed back as train() expects it for its first real step.
+        res['callbacks_restored'] = all(
+            getattr(trainer.config, n) is v for n, v in callbacks_before.items()
+        )
+        res['hooks_restored'] = _hooks(trainer) == hooks_before
+        # Timers train_step touched read as before (none counts warmup time), new ones 0.
+        after_timers = {n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()}
+        res['timers_touched'] = sorted(set(after_timers) - set(elapsed))
+        res['timers_restored'] = all(
+            after_timers[name] == elapsed.get(name, 0.0) for name in after_timers
+        )
+        return report
+
+    return warmup
+
+
+def _train_arm(trainer, scheduler, args, acc, warmup, save_grads, real_steps, res, dumps):
+    """Enter train() (the warmup hook runs there) and take the real steps; record them."""
+    from megatron.training import training
+
+    with contextlib.redirect_stdout(io.StringIO()), _patched(training, 'save_grads', save_grads):
+        run = _RealRun(trainer, scheduler, args, acc, args.iteration, warmup)
+    res['train_hook_ran'] = getattr(run, 'warmup', None) is not None
+    with contextlib.redirect_stdout(io.StringIO()), _patched(training, 'save_grads', save_grads):
+        steps = [run.step() for _ in range(real_steps)]
+    res['dumps'] = dumps
+    res['train_step_restored'] = training.train_step.__name__ == 'train_step'
+    res['losses'] = [s[0] for s in steps]
+    res['grad_norms'] = [s[1] for s in steps]
+    res['final'] = _digests(trainer, scheduler, args)
+
+
+def _arms_compared(combo, arms):
+    """The no-warmup arm against the fork arm: losses, dumps, final digests, bitwise."""
+    none, fork = arms['none'], arms['fork']
+    return {
+        'combo': combo,
+        'losses_none': none['losses'],
+        'losses_fork': fork['losses'],
+        'identical': none['final'] == fork['final']
+        and none['losses'] == fork['losses']
+        and none['grad_norms'] == fork['grad_norms']
+        and none['dumps'] == fork['dumps'],
+        'dumps_none': none['dumps'],
+        'scaler_none': none['final']['scaler'],
+        'diff_keys': [k for k in none['final'] if none['final'][k] != fork['final'][k]],
+        'fork': {k: v for k, v in fork.items() if k != 'final'},
+    }
+
+
 def _exact_one(ctx, combo, warmup_steps, real_steps):
     """One combo: warmup arm vs no-warmup arm, bitwise.
 
@@ -534,18 +671,12 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
     } or None
     arms = {}
     _import_training()
-    from megatron.training import global_vars, training
+    from megatron.training import training
 
     for arm in ('none', 'fork'):
-        trainer, scheduler, args = _build(ctx, dtype, overlap, distopt, acc, opg, opt_kwargs)
-        args.align_param_gather = combo.get('align_param_gather', False)
-        _seed_all()
-        if combo.get('resume'):
-            _resume(trainer, scheduler, args, acc, combo['resume'])
-        if combo.get('eval_module'):
-            for name, module in trainer.model.named_modules():
-                if name.endswith(combo['eval_module']):
-                    module.eval()
+        trainer, scheduler, args = _arm_start(
+            ctx, combo, acc, dtype, overlap, distopt, opg, opt_kwargs
+        )
         dumps = []
         if combo.get('dumps'):
             args.save_params_interval = 1
@@ -554,111 +685,16 @@ def _exact_one(ctx, combo, warmup_steps, real_steps):
             dumps.append([label, iteration])
 
         res = {}
-        broken = contextlib.nullcontext()
-        if arm == 'fork' and combo.get('break') == 'rng':
-            # Negative control: skip the RNG restore; the comparison must then detect a change.
-            from megatron.training import state_snapshot
-
-            broken = _patched(
-                state_snapshot.TrainingStateSnapshot, '_restore_rng', lambda self: None
-            )
-        if arm == 'fork' and combo.get('break') == 'loss_scale':
-            from megatron.training import warmup as warmup_module
-
-            broken = _patched(warmup_module, '_hold_loss_scale', lambda optimizer: None)
-        res['start'] = {
-            'scheduler_num_steps': scheduler.num_steps,
-            'optimizer_state': sum(len(o.optimizer.state) for o in _optimizers(trainer.optimizer)),
-            'iteration': args.iteration,
-            'adam_steps': _adam_steps(trainer),
-        }
+        broken = _negative_control(combo, arm)
+        res['start'] = _start_state(trainer, scheduler, args)
         recorder = _patched(training, 'save_grads', save_grads)
         warmup = None
         if arm == 'fork':
-
-            def warmup(param_sync_func):
-                """Where train() calls run_warmup(): right after install_train_loop_hooks()."""
-                timers = global_vars.get_timers()
-                elapsed = {n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()}
-                before = _digests(trainer, scheduler, args)
-                callbacks_before = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
-                hooks_before = _hooks(trainer)
-                states_seen = _record_optimizer_state(trainer, res)
-                scales_seen = _record_loss_scales(trainer, res)
-                with (
-                    contextlib.redirect_stdout(io.StringIO()),
-                    broken,
-                    recorder,
-                    states_seen,
-                    scales_seen,
-                ):
-                    if path == 'train':  # train()'s own call: steps from the args, GPT batches
-                        args.warmup_train_steps = warmup_steps
-                        try:
-                            report = _run_warmup(trainer, scheduler, param_sync_func)
-                        finally:
-                            args.warmup_train_steps = 0
-                    else:
-                        report = _direct_warmup(
-                            ctx, trainer, scheduler, args, param_sync_func, warmup_steps
-                        )
-                res['host_staging_bytes'] = report.host_staging_bytes
-                res['groups_reset'] = report.bucket_groups_reset
-                res['calibration_kept'] = report.calibration_kept
-                res['skipped_steps'] = report.skipped_steps
-                res['fresh_state_kept'] = _fresh_state_kept(
-                    trainer, res['start']['optimizer_state']
-                )
-                res['warmup_losses'] = [float(x['loss']) for x in report.losses]
-                after = _digests(trainer, scheduler, args)
-                res['after_warmup_equals_before'] = after == before
-                res['after_warmup_diff'] = [k for k in before if before[k] != after[k]]
-                # The set-up handed back as train() expects it for its first real step.
-                res['callbacks_restored'] = all(
-                    getattr(trainer.config, n) is v for n, v in callbacks_before.items()
-                )
-                res['hooks_restored'] = _hooks(trainer) == hooks_before
-                # Timers train_step touched read as before (none counts warmup time), new ones 0.
-                after_timers = {
-                    n: t.elapsed(reset=False) for n, t in timers.get_all_timers().items()
-                }
-                res['timers_touched'] = sorted(set(after_timers) - set(elapsed))
-                res['timers_restored'] = all(
-                    after_timers[name] == elapsed.get(name, 0.0) for name in after_timers
-                )
-                return report
-
-        with (
-            contextlib.redirect_stdout(io.StringIO()),
-            _patched(training, 'save_grads', save_grads),
-        ):
-            run = _RealRun(trainer, scheduler, args, acc, args.iteration, warmup)
-        res['train_hook_ran'] = getattr(run, 'warmup', None) is not None
-        with (
-            contextlib.redirect_stdout(io.StringIO()),
-            _patched(training, 'save_grads', save_grads),
-        ):
-            steps = [run.step() for _ in range(real_steps)]
-        res['dumps'] = dumps
-        res['train_step_restored'] = training.train_step.__name__ == 'train_step'
-        res['losses'] = [s[0] for s in steps]
-        res['grad_norms'] = [s[1] for s in steps]
-        res['final'] = _digests(trainer, scheduler, args)
+            contexts = (broken, recorder)
+            warmup = _fork_warmup(ctx, trainer, scheduler, args, res, contexts, path, warmup_steps)
+        _train_arm(trainer, scheduler, args, acc, warmup, save_grads, real_steps, res, dumps)
         arms[arm] = res
-    none, fork = arms['none'], arms['fork']
-    return {
-        'combo': combo,
-        'losses_none': none['losses'],
-        'losses_fork': fork['losses'],
-        'identical': none['final'] == fork['final']
-        and none['losses'] == fork['losses']
-        and none['grad_norms'] == fork['grad_norms']
-        and none['dumps'] == fork['dumps'],
-        'dumps_none': none['dumps'],
-        'scaler_none': none['final']['scaler'],
-        'diff_keys': [k for k in none['final'] if none['final'][k] != fork['final'][k]],
-        'fork': {k: v for k, v in fork.items() if k != 'final'},
-    }
+    return _arms_compared(combo, arms)
 
 
 @_device_rng
