@@ -714,6 +714,64 @@ class _Injected(RuntimeError):
     pass
 
 
+def _failing_drain(*args):
+    raise RuntimeError('injected failure while draining collectives')
+
+
+def _fault_warmup(ctx, trainer, scheduler, args, res, before, fault):
+    """The fault arm's warmup hook: a warmup step raises; record what was restored into ``res``.
+
+    ``fault``: (accumulation, fail_step, fail_microbatch, restore_fails) of scenario_fault.
+    """
+    from megatron.training import state_snapshot
+
+    accumulation, fail_step, fail_microbatch, restore_fails = fault
+    calls = {'n': 0}
+    synthetic = _as_train_step_takes(_synthetic_iterator(ctx.device))
+
+    def failing(data_iterator, model):
+        calls['n'] += 1
+        if calls['n'] == fail_step * accumulation + fail_microbatch + 1:
+            raise _Injected('injected failure inside a warmup step')
+        return _forward_step(data_iterator, model)
+
+    drain = _failing_drain if restore_fails else state_snapshot.reset_ddp_grad_ready_calibration
+
+    def warmup(param_sync_func):  # where train() calls it, after its set-up
+        callbacks = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
+        hooks = _hooks(trainer)
+        calibration = _calibration(trainer)
+        res['calibrated_before'] = sum(not first for first, _ in calibration)
+        try:
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
+            ):
+                _run_warmup(
+                    trainer,
+                    scheduler,
+                    param_sync_func,
+                    3,
+                    forward_step=failing,
+                    data_iterator=synthetic,
+                    args=args,
+                )
+            res['raised'] = None
+        except _Injected as exc:
+            res['raised'] = f'{type(exc).__name__}: {exc}'
+        res['calls'] = calls['n']
+        res['callbacks_restored'] = all(
+            getattr(trainer.config, n) is v for n, v in callbacks.items()
+        )
+        res['hooks_restored'] = _hooks(trainer) == hooks
+        res['calibration_restored'] = _calibration(trainer) == calibration
+        after = _digests(trainer, scheduler, args)
+        res['state_restored'] = after == before
+        res['state_diff'] = [k for k in before if before[k] != after[k]]
+
+    return warmup
+
+
 @_device_rng
 def scenario_fault(
     ctx, accumulation=2, fail_step=1, fail_microbatch=1, restore_fails=False, resume=0
@@ -726,10 +784,7 @@ def scenario_fault(
     that many real steps first (a resumed run whose DDP real steps calibrated).
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.training import state_snapshot
-
-    def failing_drain(*args):
-        raise RuntimeError('injected failure while draining collectives')
+    from megatron.training import state_snapshot  # noqa: F401 - first, as a base without it fails
 
     init_parallel()
     results = {}
@@ -744,50 +799,8 @@ def scenario_fault(
         res = {}
         warmup = None
         if arm == 'fault':
-            calls = {'n': 0}
-            synthetic = _as_train_step_takes(_synthetic_iterator(ctx.device))
-
-            def failing(data_iterator, model):
-                calls['n'] += 1
-                if calls['n'] == fail_step * accumulation + fail_microbatch + 1:
-                    raise _Injected('injected failure inside a warmup step')
-                return _forward_step(data_iterator, model)
-
-            drain = (
-                failing_drain if restore_fails else state_snapshot.reset_ddp_grad_ready_calibration
-            )
-
-            def warmup(param_sync_func):  # where train() calls it, after its set-up
-                callbacks = {n: getattr(trainer.config, n) for n in _CONFIG_CALLBACKS}
-                hooks = _hooks(trainer)
-                calibration = _calibration(trainer)
-                res['calibrated_before'] = sum(not first for first, _ in calibration)
-                try:
-                    with (
-                        contextlib.redirect_stdout(io.StringIO()),
-                        _patched(state_snapshot, 'reset_ddp_grad_ready_calibration', drain),
-                    ):
-                        _run_warmup(
-                            trainer,
-                            scheduler,
-                            param_sync_func,
-                            3,
-                            forward_step=failing,
-                            data_iterator=synthetic,
-                            args=args,
-                        )
-                    res['raised'] = None
-                except _Injected as exc:
-                    res['raised'] = f'{type(exc).__name__}: {exc}'
-                res['calls'] = calls['n']
-                res['callbacks_restored'] = all(
-                    getattr(trainer.config, n) is v for n, v in callbacks.items()
-                )
-                res['hooks_restored'] = _hooks(trainer) == hooks
-                res['calibration_restored'] = _calibration(trainer) == calibration
-                after = _digests(trainer, scheduler, args)
-                res['state_restored'] = after == before
-                res['state_diff'] = [k for k in before if before[k] != after[k]]
+            fault = (accumulation, fail_step, fail_microbatch, restore_fails)
+            warmup = _fault_warmup(ctx, trainer, scheduler, args, res, before, fault)
 
         del sentinel
         run = _RealRun(trainer, scheduler, args, accumulation, args.iteration, warmup=warmup)
