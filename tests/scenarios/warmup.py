@@ -784,7 +784,7 @@ def scenario_fault(
     that many real steps first (a resumed run whose DDP real steps calibrated).
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.training import state_snapshot  # noqa: F401 - first, as a base without it fails
+    from megatron.training import state_snapshot  # noqa: F401 - a base without it fails here
 
     init_parallel()
     results = {}
@@ -811,35 +811,28 @@ def scenario_fault(
     return _fault_against_none(results)
 
 
-@_device_rng
-def scenario_bad_input(ctx):
-    """Argparse errors for --warmup-train-steps, and clear errors for unsupported combinations."""
-    _import_training()
-    from megatron.training import training
+def _argparse_values():
+    """--warmup-train-steps for valid and invalid values: the parsed value or the exit."""
     from megatron.training.arguments import parse_args
-    from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported, run_warmup
 
-    _seed_all()
-    out = {'argparse': {}}
+    parsed = {}
     for value in ('2', '0', '-1', '1.5', 'two'):
         err = io.StringIO()
         try:
             argv = ['pretrain', '--warmup-train-steps', value]
             with _patched(sys, 'argv', argv), contextlib.redirect_stderr(err):
                 args = parse_args(ignore_unknown_args=True)
-            out['argparse'][value] = {'value': args.warmup_train_steps}
+            parsed[value] = {'value': args.warmup_train_steps}
         except SystemExit as exc:
             lines = [l for l in err.getvalue().splitlines() if 'error:' in l]
-            out['argparse'][value] = {'exit': exc.code, 'error': lines[-1] if lines else None}
-    with _patched(sys, 'argv', ['pretrain']):
-        defaults = parse_args(ignore_unknown_args=True)
-    out['defaults'] = defaults.warmup_train_steps
-    from megatron.training.config import TrainingConfig
+            parsed[value] = {'exit': exc.code, 'error': lines[-1] if lines else None}
+    return parsed
 
-    out['config_defaults'] = TrainingConfig().warmup_train_steps
 
-    init_parallel()
-    trainer, scheduler, args = _build(ctx, 'fp32', True, True, 1)
+def _unsupported_errors(trainer, args):
+    """check_warmup_supported on each unsupported set-up (and a supported one): the errors."""
+    from megatron.training.warmup import WarmupUnsupportedError, check_warmup_supported
+
     model, optimizer, config = [trainer.model], trainer.optimizer, trainer.config
     opt_config = _optimizers(optimizer)[0].config
     errors = {}
@@ -883,6 +876,15 @@ def scenario_bad_input(ctx):
         finally:
             setattr(opt_config, flag, saved)
     check('supported')
+    return errors
+
+
+def _bad_num_steps(trainer, scheduler, args, errors):
+    """run_warmup with a negative and a fractional number of steps: the errors, into ``errors``."""
+    from megatron.training import training
+    from megatron.training.warmup import run_warmup
+
+    model, optimizer, config = [trainer.model], trainer.optimizer, trainer.config
     for name, kwargs in {'negative': {'num_steps': -1}, 'float': {'num_steps': 1.5}}.items():
         try:
             run_warmup(
@@ -898,6 +900,34 @@ def scenario_bad_input(ctx):
             errors[name] = None
         except ValueError as exc:
             errors[name] = f'{type(exc).__name__}: {exc}'
+
+
+@_device_rng
+def scenario_bad_input(ctx):
+    """Argparse errors for --warmup-train-steps, and clear errors for unsupported combinations."""
+    _import_training()
+    # First of all: on a base without the warmup, the call fails here.
+    from megatron.training import training  # noqa: F401
+    from megatron.training.arguments import parse_args
+    from megatron.training.warmup import (  # noqa: F401
+        WarmupUnsupportedError,
+        check_warmup_supported,
+        run_warmup,
+    )
+
+    _seed_all()
+    out = {'argparse': _argparse_values()}
+    with _patched(sys, 'argv', ['pretrain']):
+        defaults = parse_args(ignore_unknown_args=True)
+    out['defaults'] = defaults.warmup_train_steps
+    from megatron.training.config import TrainingConfig
+
+    out['config_defaults'] = TrainingConfig().warmup_train_steps
+
+    init_parallel()
+    trainer, scheduler, args = _build(ctx, 'fp32', True, True, 1)
+    errors = _unsupported_errors(trainer, args)
+    _bad_num_steps(trainer, scheduler, args, errors)
     out['errors'] = errors
     out['callbacks_untouched'] = _callbacks(trainer.config)
     return out
