@@ -131,13 +131,8 @@ def _printed(text):
     return out
 
 
-@contextlib.contextmanager
-def _observers(out, finalize_hook, batches, packed_stats):
-    from megatron.training import training
-
-    state = {'in_warmup': False, 'train_depth': 0}
-    original_step, original_train = training.train_step, training.train
-    original_setup = training.setup_model_and_optimizer
+def _step_observer(out, state, original_step):
+    """train_step, recording per call its kind, the installed set-up, loss and buffers."""
 
     @functools.wraps(original_step)
     def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a, **kw):
@@ -154,6 +149,28 @@ def _observers(out, finalize_hook, batches, packed_stats):
         out['steps'].append(record)
         return result
 
+    return train_step
+
+
+def _packed_forward(counted, args):
+    """The forward step counting each micro-batch as packed (THD) sequences, as pretrain_gpt's."""
+    from megatron.training import training
+
+    @functools.wraps(counted)
+    def forward_step_func(data_iterator, model_chunk, *fa, **fkw):
+        # As pretrain_gpt's forward step does for a packed (THD) micro-batch: two
+        # sequences of seq_length / 2 real tokens.
+        half = args.seq_length // 2
+        cu_seqlens = torch.tensor([0, half, 2 * half], dtype=torch.int32)
+        training.update_seqlen_stats_from_cu_seqlens(cu_seqlens)
+        return counted(data_iterator, model_chunk, *fa, **fkw)
+
+    return forward_step_func
+
+
+def _train_observer(out, original_train, batches, packed_stats):
+    """train, recording the buffers before and the set-up, rerun state and buffers after."""
+
     @functools.wraps(original_train)
     def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, *a, **kw):
         from megatron.core.rerun_state_machine import RerunDataIterator
@@ -168,16 +185,7 @@ def _observers(out, finalize_hook, batches, packed_stats):
 
             train_data_iterator = RerunDataIterator(synthetic_gpt_batches(args))
         if packed_stats:
-            counted = forward_step_func
-
-            @functools.wraps(counted)
-            def forward_step_func(data_iterator, model_chunk, *fa, **fkw):
-                # As pretrain_gpt's forward step does for a packed (THD) micro-batch: two
-                # sequences of seq_length / 2 real tokens.
-                half = args.seq_length // 2
-                cu_seqlens = torch.tensor([0, half, 2 * half], dtype=torch.int32)
-                training.update_seqlen_stats_from_cu_seqlens(cu_seqlens)
-                return counted(data_iterator, model_chunk, *fa, **fkw)
+            forward_step_func = _packed_forward(forward_step_func, args)
 
         out['buffers_before'] = _buffers(model)
         result = original_train(
@@ -188,13 +196,23 @@ def _observers(out, finalize_hook, batches, packed_stats):
         out['buffers_end'] = _buffers(model)
         return result
 
-    original_flops = training.num_floating_point_operations
+    return train
+
+
+def _flops_observer(out, original_flops):
+    """num_floating_point_operations, recording each value."""
 
     @functools.wraps(original_flops)
     def num_floating_point_operations(*a, **kw):
         value = original_flops(*a, **kw)
         out['flops'].append(_hex(value))
         return value
+
+    return num_floating_point_operations
+
+
+def _setup_observer(original_setup, finalize_hook):
+    """setup_model_and_optimizer, putting the builder's finalize hook on with ``finalize_hook``."""
 
     @functools.wraps(original_setup)
     def setup_model_and_optimizer(*a, **kw):
@@ -204,6 +222,36 @@ def _observers(out, finalize_hook, batches, packed_stats):
 
             get_model_config(model[0]).finalize_model_grads_func = builder_finalize_model_grads
         return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
+
+
+def _warmup_marker(state, original_run):
+    """run_warmup, marking the time inside it (train_step calls then are warmup steps)."""
+
+    @functools.wraps(original_run)
+    def run_warmup(*a, **kw):
+        state['in_warmup'] = True
+        try:
+            return original_run(*a, **kw)
+        finally:
+            state['in_warmup'] = False
+
+    return run_warmup
+
+
+@contextlib.contextmanager
+def _observers(out, finalize_hook, batches, packed_stats):
+    from megatron.training import training
+
+    state = {'in_warmup': False, 'train_depth': 0}
+    original_step, original_train = training.train_step, training.train
+    original_setup = training.setup_model_and_optimizer
+    train_step = _step_observer(out, state, original_step)
+    train = _train_observer(out, original_train, batches, packed_stats)
+    original_flops = training.num_floating_point_operations
+    num_floating_point_operations = _flops_observer(out, original_flops)
+    setup_model_and_optimizer = _setup_observer(original_setup, finalize_hook)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(training, 'train_step', train_step))
@@ -215,16 +263,7 @@ def _observers(out, finalize_hook, batches, packed_stats):
             patched(training, 'num_floating_point_operations', num_floating_point_operations)
         )
         if hasattr(training, 'run_warmup'):
-            original_run = training.run_warmup
-
-            @functools.wraps(original_run)
-            def run_warmup(*a, **kw):
-                state['in_warmup'] = True
-                try:
-                    return original_run(*a, **kw)
-                finally:
-                    state['in_warmup'] = False
-
+            run_warmup = _warmup_marker(state, training.run_warmup)
             stack.enter_context(patched(training, 'run_warmup', run_warmup))
         yield
 
