@@ -203,7 +203,7 @@ class PPTrainer:
         self.args.expert_model_parallel_size = ps.get_expert_model_parallel_world_size()
 
     def _chunks(self, ctx, dtype, ddp_config, pp, rank):
-        """One DDP-wrapped model chunk per virtual stage of this rank (Float16Module unless fp32)."""
+        """One DDP-wrapped model chunk per virtual stage on this rank (fp16/bf16: Float16Module)."""
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.transformer.module import Float16Module
 
