@@ -478,14 +478,24 @@ class Trainer:
         opt_kwargs=None,
         config_kwargs=None,
     ):
-        from megatron.core import parallel_state
-
         self.ctx = ctx
         self.dtype = dtype
         self.seed = seed
         self.micro_batch_size = micro_batch_size
         self.config = make_config(dtype, **(config_kwargs or {}))
-        model = self._build_model(expert, optimizer, lr, clip_grad, seed, micro_batch_size)
+        model = build_model(self.config, expert=expert, seed=seed)
+        self.initial = flat_params(model.core)
+        self.initial_state = {k: v.cpu() for k, v in copy.deepcopy(model.core.state_dict()).items()}
+        # What reference_train() needs to train the same model on the same data.
+        self.reference_kwargs = dict(
+            expert=expert,
+            optimizer=optimizer,
+            lr=lr,
+            clip_grad=clip_grad,
+            seed=seed,
+            micro_batch_size=micro_batch_size,
+            initial_state=self.initial_state,
+        )
         model = model.to(ctx.device)
         self.model = wrap_ddp(
             model,
@@ -504,6 +514,12 @@ class Trainer:
             clip_grad=clip_grad,
             **(opt_kwargs or {}),
         )
+        self._start(install_hooks)
+
+    def _start(self, install_hooks):
+        """The data-parallel coordinates, a zero step count and the schedule's config hooks."""
+        from megatron.core import parallel_state
+
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.step_index = 0
@@ -513,23 +529,6 @@ class Trainer:
         self.config.timers = None
         if install_hooks:
             self.install_hooks()
-
-    def _build_model(self, expert, optimizer, lr, clip_grad, seed, micro_batch_size):
-        """Build the model on CPU, keeping its initial values and what reference_train() needs."""
-        model = build_model(self.config, expert=expert, seed=seed)
-        self.initial = flat_params(model.core)
-        self.initial_state = {k: v.cpu() for k, v in copy.deepcopy(model.core.state_dict()).items()}
-        # What reference_train() needs to train the same model on the same data.
-        self.reference_kwargs = dict(
-            expert=expert,
-            optimizer=optimizer,
-            lr=lr,
-            clip_grad=clip_grad,
-            seed=seed,
-            micro_batch_size=micro_batch_size,
-            initial_state=self.initial_state,
-        )
-        return model
 
     def install_hooks(self, no_sync=True, finalize=True):
         """Set single schedule hooks by hand: no_sync_func (only with overlap_grad_reduce) and
