@@ -263,78 +263,6 @@ def layout_cases(ctx, layout_list, seeds, key, variants, build):
     return {'cases': cases}
 
 
-def _layer_config(tp, ep, etp):
-    """The bf16 config of the expert layers (MoE fields when EP > 1, no biases when ETP > 1)."""
-    kwargs = {}
-    if ep > 1:
-        kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
-        if etp > 1:
-            kwargs['add_bias_linear'] = False  # upstream: MoE biases need ETP == 1
-    return stats_config(
-        'bf16',
-        tp,
-        ep,
-        etp,
-        sequence_parallel=tp > 1,
-        use_cpu_initialization=True,
-        perform_initialization=False,
-        **kwargs,
-    )
-
-
-def _expert_ddp(cfg, hidden, ffn, bias):
-    """An expert ColumnParallelLinear and RowParallelLinear pair, wrapped in DDP."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    class _Experts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            common = dict(config=cfg, init_method=lambda w: None, is_expert=True)
-            self.fc1 = ColumnParallelLinear(
-                hidden, ffn, bias=bias, gather_output=False, skip_bias_add=True, **common
-            )
-            self.fc2 = RowParallelLinear(
-                ffn, hidden, bias=bias, input_is_parallel=True, skip_bias_add=True, **common
-            )
-
-    return DistributedDataParallel(
-        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
-    )
-
-
-def _sync(ctx, model, params, names):
-    """Gradient synchronisation of ``rank + 1`` grads: (synced, expert-DP ranks, correct value)."""
-    from megatron.core import parallel_state as ps
-
-    for n in names:
-        params[n].main_grad.fill_(float(ctx.rank + 1))
-    model.finish_grad_sync()
-    synced = {n: float(params[n].main_grad.flatten()[0]) for n in names}
-    edp = ps.get_expert_data_parallel_group()
-    edp_ranks = torch.distributed.get_process_group_ranks(edp)
-    # DDP scales every grad by 1/|dense DP| and sums over the group that owns the param; an expert
-    # param is owned by the expert-DP group.
-    dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-    correct = sum(r + 1 for r in edp_ranks) / dense_dp
-    return synced, edp_ranks, correct
-
-
-def _ones_norm(model, params, names):
-    """Grad norm with all-ones grads (bf16 optimizer, non-distributed)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer='adam', lr=0.0, bf16=True, clip_grad=0.0),
-        [model],
-        use_gloo_process_groups=False,
-    )
-    for n in names:
-        params[n].main_grad.fill_(1.0)
-    opt.prepare_grads()
-    return float(opt.get_grad_norm())
-
-
 def scenario_expert_layer_sync(ctx, tp, ep, etp):
     """Item 6: real expert linear layers with EP = 1 and ETP != TP (or any layout).
 
@@ -347,14 +275,47 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
       (after DDP's 1/|dense DP| scaling);
     - the grad norm with all-ones grads against the logical count of expert weight elements.
     """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     init_parallel(tp=tp, ep=ep, etp=etp)
     torch.manual_seed(SEED)
     hidden, ffn = 4, 8
-    cfg = _layer_config(tp, ep, etp)
+    kwargs = {}
+    if ep > 1:
+        kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
+        if etp > 1:
+            kwargs['add_bias_linear'] = False  # upstream: MoE biases need ETP == 1
+    cfg = stats_config(
+        'bf16',
+        tp,
+        ep,
+        etp,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        **kwargs,
+    )
 
     # Upstream refuses biases on MoE experts with ETP > 1 (TransformerConfig is MoE when EP > 1).
     bias = not (ep > 1 and etp > 1)
-    model = _expert_ddp(cfg, hidden, ffn, bias)
+
+    class _Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            common = dict(config=cfg, init_method=lambda w: None, is_expert=True)
+            self.fc1 = ColumnParallelLinear(
+                hidden, ffn, bias=bias, gather_output=False, skip_bias_add=True, **common
+            )
+            self.fc2 = RowParallelLinear(
+                ffn, hidden, bias=bias, input_is_parallel=True, skip_bias_add=True, **common
+            )
+
+    model = DistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
+    )
     names = ['fc1.weight', 'fc2.weight']
     if bias:
         names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
@@ -364,8 +325,28 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     allreduce = {n: getattr(params[n], 'allreduce', None) for n in names}
     shapes = {n: list(params[n].shape) for n in names}
 
-    synced, edp_ranks, correct = _sync(ctx, model, params, names)
-    norm = _ones_norm(model, params, names)
+    # Gradient synchronisation.
+    for n in names:
+        params[n].main_grad.fill_(float(ctx.rank + 1))
+    model.finish_grad_sync()
+    synced = {n: float(params[n].main_grad.flatten()[0]) for n in names}
+    edp = ps.get_expert_data_parallel_group()
+    edp_ranks = torch.distributed.get_process_group_ranks(edp)
+    # DDP scales every grad by 1/|dense DP| and sums over the group that owns the param; an expert
+    # param is owned by the expert-DP group.
+    dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    correct = sum(r + 1 for r in edp_ranks) / dense_dp
+
+    # Grad norm with all-ones grads (bf16 optimizer, non-distributed).
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer='adam', lr=0.0, bf16=True, clip_grad=0.0),
+        [model],
+        use_gloo_process_groups=False,
+    )
+    for n in names:
+        params[n].main_grad.fill_(1.0)
+    opt.prepare_grads()
+    norm = float(opt.get_grad_norm())
     # Logical expert elements: fc1/fc2 weights and the fc1 bias are split over ETP, distinct per
     # EP rank; the fc2 bias (not tensor-parallel) is replicated over ETP. Each expert (EP rank)
     # owns one copy.
