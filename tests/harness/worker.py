@@ -71,30 +71,21 @@ def _jsonable(value):
         return json.loads(json.dumps(value, default=repr))
 
 
-def main(spec_path, rank):
-    with open(spec_path) as f:
-        spec = json.load(f)
-    rank = int(rank)
-    # A fatal signal (an abort in a collective's thread, a segfault) prints every thread's Python
-    # stack into the rank log, which the launcher hands to the pytest summary.
-    faulthandler.enable(all_threads=True)
-    world_size = spec['world_size']
-    backend = spec['backend']
-    tree = os.path.realpath(spec['tree_path'])
-    out_path = os.path.join(spec['out_dir'], f'rank{rank}.json')
-
-    sys.path.insert(0, tree)
+def _device(backend, rank):
+    """Install the CPU redirect (gloo) or pick this rank's GPU; return the torch device."""
     import torch
 
     if backend == 'gloo':
         from tests.harness import cpu_redirect
 
         cpu_redirect.install()
-        device = torch.device('cpu')
-    else:
-        torch.cuda.set_device(rank)
-        device = torch.device('cuda', rank)
+        return torch.device('cpu')
+    torch.cuda.set_device(rank)
+    return torch.device('cuda', rank)
 
+
+def _refuse_shadowed_core(tree):
+    """Exit with SHADOW_EXIT when megatron.core was not imported from the tree under test."""
     import megatron.core
 
     core_file = os.path.realpath(megatron.core.__file__)
@@ -106,6 +97,9 @@ def main(spec_path, rank):
         )
         sys.exit(SHADOW_EXIT)
 
+
+def _init_world(spec, rank, world_size, backend, device, tree):
+    """Join the process group; return the context every scenario receives."""
     import torch.distributed as dist
 
     _log(f'[rank {rank}] imports done')
@@ -131,23 +125,37 @@ def main(spec_path, rank):
         from tests.harness import group_cache
 
         group_cache.install(dist, parallel_state)
+    return ctx
+
+
+def _run_call(ctx, target, kwargs, results):
+    """Run one scenario call, appending its result (or its error) to ``results``."""
+    try:
+        module_name, func_name = target.split(':')
+        func = getattr(importlib.import_module(module_name), func_name)
+        out = func(ctx, **kwargs)
+        results.append(_jsonable(out if out is not None else {}))
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        sys.stderr.write(f'[rank {ctx.rank}] {target} raised:\n{traceback.format_exc()}\n')
+        results.append({'error': f'{type(exc).__name__}: {exc}'})
+
+
+def _run_calls(ctx, calls, out_path):
+    """Run every call in order, writing the results after each; return why the world broke."""
+    import torch
+    import torch.distributed as dist
+
+    rank = ctx.rank
     results = []
     broken = None
-    for target, kwargs in spec['calls']:
+    for target, kwargs in calls:
         if broken is not None:
             results.append({'error': f'HarnessError: world broken by an earlier call ({broken})'})
             _write(out_path, results)
             continue
         torch.manual_seed(1234)
         t0 = time.monotonic()
-        try:
-            module_name, func_name = target.split(':')
-            func = getattr(importlib.import_module(module_name), func_name)
-            out = func(ctx, **kwargs)
-            results.append(_jsonable(out if out is not None else {}))
-        except Exception as exc:  # noqa: BLE001 - reported per rank
-            sys.stderr.write(f'[rank {rank}] {target} raised:\n{traceback.format_exc()}\n')
-            results.append({'error': f'{type(exc).__name__}: {exc}'})
+        _run_call(ctx, target, kwargs, results)
         try:
             _reset_globals()
         except Exception as exc:  # noqa: BLE001
@@ -158,6 +166,26 @@ def main(spec_path, rank):
             broken = f'barrier after {target} failed: {type(exc).__name__}: {exc}'
         _write(out_path, results)
         _log(f'[rank {rank}] {target} done in {time.monotonic() - t0:.2f}s')
+    return broken
+
+
+def main(spec_path, rank):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = int(rank)
+    # A fatal signal (an abort in a collective's thread, a segfault) prints every thread's Python
+    # stack into the rank log, which the launcher hands to the pytest summary.
+    faulthandler.enable(all_threads=True)
+    world_size = spec['world_size']
+    backend = spec['backend']
+    tree = os.path.realpath(spec['tree_path'])
+    out_path = os.path.join(spec['out_dir'], f'rank{rank}.json')
+
+    sys.path.insert(0, tree)
+    device = _device(backend, rank)
+    _refuse_shadowed_core(tree)
+    ctx = _init_world(spec, rank, world_size, backend, device, tree)
+    broken = _run_calls(ctx, spec['calls'], out_path)
     _log(f'[rank {rank}] all calls done')
     # os._exit skips multiprocessing's finalizers: a child the tree under test started (the
     # Manager behind dist_checkpointing's async results queue) would outlive the world, holding
