@@ -196,6 +196,28 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
         )
     timeout = timeout or default_timeout(len(calls))
     work = tempfile.mkdtemp(prefix=f'harness-w{world_size}-')
+    spec_path = _write_spec(world_size, be, path, label, work, pg_timeout_s, calls)
+    env = _rank_env(be, world_size, extra_env)
+    procs, logs = _spawn_ranks(world_size, spec_path, work, env)
+    killed = _wait_ranks(procs, logs, world_size, label, timeout, work)
+    if any(p.returncode == SHADOW_EXIT for p in procs):
+        raise TreeShadowedError(_tails(work, world_size))
+    per_rank, crashed = _collect(procs, killed, world_size, label, calls, work)
+    # The first call some rank (the dead one, or a peer killed while waiting) left unfinished.
+    crashed_at = min(done for done, _ in per_rank) if crashed else None
+    per_rank = [res for _, res in per_rank]
+    if all(procs[r].returncode != 0 for r in range(world_size)) and not any(
+        os.path.exists(os.path.join(work, f'rank{r}.json')) for r in range(world_size)
+    ):
+        raise HarnessError(
+            f'world of {world_size} on {label} ({path}) failed to start, return codes '
+            f'{[p.returncode for p in procs]}\n' + _tails(work, world_size)
+        )
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))], crashed_at
+
+
+def _write_spec(world_size, be, path, label, work, pg_timeout_s, calls):
+    """Write the world's spec.json (read by every rank's worker); return its path."""
     spec = {
         'world_size': world_size,
         'backend': be,
@@ -209,6 +231,11 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
     spec_path = os.path.join(work, 'spec.json')
     with open(spec_path, 'w') as f:
         json.dump(spec, f)
+    return spec_path
+
+
+def _rank_env(be, world_size, extra_env):
+    """The ranks' environment: this one, CPU-only threads split for gloo, then the overrides."""
     env = dict(os.environ)
     if be == 'gloo':
         threads = str(max(1, (os.cpu_count() or 1) // world_size))
@@ -216,6 +243,11 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
         env['CUDA_VISIBLE_DEVICES'] = ''
     env.setdefault('PYTHONWARNINGS', 'ignore')
     env.update(extra_env or {})
+    return env
+
+
+def _spawn_ranks(world_size, spec_path, work, env):
+    """Start one worker process per rank, each logging to rank<r>.log; return (procs, logs)."""
     procs, logs = [], []
     for rank in range(world_size):
         log = open(os.path.join(work, f'rank{rank}.log'), 'w')
@@ -229,6 +261,11 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
                 stderr=subprocess.STDOUT,
             )
         )
+    return procs, logs
+
+
+def _wait_ranks(procs, logs, world_size, label, timeout, work):
+    """Wait for the ranks (10 s more once one failed), kill the rest; return the killed ranks."""
     deadline = time.monotonic() + timeout
     failed_at = None
     try:
@@ -253,8 +290,14 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
                 killed.add(rank)
         for log in logs:
             log.close()
-    if any(p.returncode == SHADOW_EXIT for p in procs):
-        raise TreeShadowedError(_tails(work, world_size))
+    return killed
+
+
+def _collect(procs, killed, world_size, label, calls, work):
+    """Read each rank's results, an error for every call it left unfinished.
+
+    Returns ([(calls done, results)] per rank, whether a rank died of a signal of its own).
+    """
     per_rank = []
     crashed = False
     for rank in range(world_size):
@@ -275,17 +318,7 @@ def _run_world_once(world_size, tree, calls, timeout=None, extra_env=None, pg_ti
                 )
             res.append({'error': error})
         per_rank.append((done, res))
-    # The first call some rank (the dead one, or a peer killed while waiting) left unfinished.
-    crashed_at = min(done for done, _ in per_rank) if crashed else None
-    per_rank = [res for _, res in per_rank]
-    if all(procs[r].returncode != 0 for r in range(world_size)) and not any(
-        os.path.exists(os.path.join(work, f'rank{r}.json')) for r in range(world_size)
-    ):
-        raise HarnessError(
-            f'world of {world_size} on {label} ({path}) failed to start, return codes '
-            f'{[p.returncode for p in procs]}\n' + _tails(work, world_size)
-        )
-    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))], crashed_at
+    return per_rank, crashed
 
 
 def _tails(work, world_size, n=3000, ranks=None):
