@@ -58,7 +58,7 @@ def _reset_globals():
         rerun_state_machine.destroy_rerun_state_machine()
     except (ImportError, AttributeError):
         pass
-    try:  # 0.19.2 and dev: process-wide MoE metric entries, sized by the first model's layers
+    try:  # process-wide MoE metric entries (every base), sized by the first model's layers
         from megatron.core.transformer.moe import moe_logging
 
         for name in ('destroy_moe_metrics_tracker', 'destroy_moe_overload_factor_tracker'):
