@@ -13,14 +13,16 @@ biases on, sequence parallel whenever TP > 1) in DDP, one real forward/backward,
   are right, and at TP2/EP1/ETP1 6.0 where 3.0 is right on bases that reduce expert params over
   expert DP (0.19.2 upstream, the fork's 0009 elsewhere).
 Upstream refuses MoE biases with ETP > 1, and with biases the local experts cannot train at
-EP = ETP = 1 on any base (an in-place add on the output of a size-1 reduce, mlp.py); those
-layouts are covered by the 'fill' mode (grads written, then finalize_model_grads).
+EP = ETP = 1 on any pristine base (an in-place add on the output of a size-1 reduce, mlp.py;
+the fork's 0033 moe-expert-bias-out-of-place trains them, and this test checks their grads
+there); on pristine those layouts are covered by the 'fill' mode (grads written, then
+finalize_model_grads).
 """
 
 import pytest
 
 from tests.harness import call
-from tests.harness.bases import PRISTINE, upstream_has
+from tests.harness.bases import PRISTINE, carries, upstream_has
 
 MOD = 'tests.scenarios.expert_bias_grads:scenario_bias_grads'
 TREES = ('fork', PRISTINE)
@@ -46,6 +48,8 @@ CALLS = {
 }
 REFUSED = 'AssertionError: Bias in Moe is only supported when ETP==1'
 INPLACE = 'is a view and is being modified inplace'
+# The fork trains MoE biases at EP = ETP = 1 (0033); pristine fails them with INPLACE.
+EP1_TRAINS = carries('moe-expert-bias-out-of-place')
 FC2_BIAS = 'linear_fc2.bias'
 
 
@@ -83,7 +87,8 @@ def test_fork_every_param_reduced_over_its_replicas(world, mode):
     assert not _wrong(per_rank, exact=mode == 'fill')
     ran = {tuple(c['layout']) for c in per_rank[0]['cases'] if 'error' not in c}
     layouts = TRAIN_LAYOUTS if mode == 'train' else FILL_LAYOUTS
-    assert ran == {tuple(l) for l in layouts[world] if l[1] > 1 or mode == 'fill'} - {(2, 1, 2)}
+    trains = {tuple(l) for l in layouts[world] if l[1] > 1 or mode == 'fill' or EP1_TRAINS}
+    assert ran == trains - {(2, 1, 2)}
     for res in per_rank:  # the marks behind it: no expert param is summed over dense TP
         for c in res['cases']:
             for name, p in c.get('params', {}).items():
@@ -110,13 +115,17 @@ def test_fork_totals_match_the_layout_without_any_reduction(world):
 
 @pytest.mark.parametrize('tree', TREES)
 def test_upstream_refuses_or_fails_the_same_on_every_tree(tree):
-    """ETP > 1 with MoE biases is refused; training the local experts with biases at EP = 1
-    fails upstream (not changed by the fork)."""
+    """ETP > 1 with MoE biases is refused on every tree; training the local experts with biases
+    at EP = 1 fails upstream, and trains on the fork (0033)."""
     for world in (2, 4):
         for res in _results(tree, world, 'fill'):
             assert _cases([res], [2, 1, 2])[0]['error'] == REFUSED
         for res in _results(tree, world, 'train') if world == 2 else ():
-            assert INPLACE in _cases([res], [2, 1, 1])[0]['error']
+            case = _cases([res], [2, 1, 1])[0]
+            if tree == 'fork' and EP1_TRAINS:
+                assert 'error' not in case, case['error']
+            else:
+                assert INPLACE in case['error']
 
 
 def test_pristine_tp2_ep2_adds_the_other_rank_s_expert():

@@ -58,6 +58,13 @@ def _reset_globals():
         rerun_state_machine.destroy_rerun_state_machine()
     except (ImportError, AttributeError):
         pass
+    try:  # process-wide MoE metric entries (every base), sized by the first model's layers
+        from megatron.core.transformer.moe import moe_logging
+
+        for name in ('destroy_moe_metrics_tracker', 'destroy_moe_overload_factor_tracker'):
+            getattr(moe_logging, name, lambda: None)()
+    except ImportError:
+        pass
     gv = sys.modules.get('megatron.training.global_vars')
     if gv is not None and hasattr(gv, 'destroy_global_vars'):
         gv.destroy_global_vars()

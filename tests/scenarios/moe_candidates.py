@@ -122,6 +122,9 @@ def _router_run(ctx, case, dtype, reference):
     tp = 1 if reference else case['tp']
     per_token = False if reference else case['per_token']
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    # The scale is class state that outlives the call: leave it as found (a later pretrain() in
+    # this process copies a shape-[1] scale into it).
+    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     try:
         config = _router_config(tp, case['loss'], per_token, dtype)
         module = _RouterModule(config, alone=reference)
@@ -147,6 +150,7 @@ def _router_run(ctx, case, dtype, reference):
         grad = module.router.weight.main_grad.detach().double().clone()
         return grad
     finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
         ps.destroy_model_parallel()
 
 
