@@ -377,6 +377,56 @@ def _draw(gen, n):
     return vals.masked_fill(torch.rand(n, generator=gen) < 0.2, 0.0)
 
 
+def _draw_grads(seed, ep, heads, ep_rank, with_expert):
+    """The logical values of one seed and this rank's shard of them: (logical, local)."""
+    gen = torch.Generator().manual_seed(seed)
+    logical = {
+        'softmax_offset': _draw(gen, HEADS),
+        'dense': _draw(gen, DENSE),
+        'expert': torch.stack([_draw(gen, EXPERT) for _ in range(ep)]),
+    }
+    local = {
+        'softmax_offset': logical['softmax_offset'][heads].float(),
+        'dense': logical['dense'].float(),
+        'expert': logical['expert'][ep_rank].float(),
+    }
+    if not with_expert:
+        del logical['expert'], local['expert']
+    return logical, local
+
+
+def _load_params(model, optimizer, local, with_expert):
+    """Copy the local values into the params (the expert ones zeroed) and reload the optimizer."""
+    with torch.no_grad():
+        module = model.module
+        module.attn.softmax_offset.copy_(local['softmax_offset'])
+        module.dense.copy_(local['dense'])
+        # Expert values stay zero here: the param norm of expert params is a
+        # separate matter (it deduplicates them over the dense TP group).
+        if with_expert:
+            module.expert.zero_()
+    optimizer.reload_model_params()
+
+
+def _case(logical, got, model, dtype, tp):
+    """One case's measured statistics next to the FP64 oracles and the TP-rank-0-only values."""
+    # What a statistic that keeps the sink on TP rank 0 only would report.
+    tp0 = dict(logical, softmax_offset=logical['softmax_offset'][_heads(0, tp)])
+    tp0_only = oracle(tp0)
+    params = torch.cat([logical['softmax_offset'], logical['dense']])
+    params_tp0 = torch.cat([tp0['softmax_offset'], tp0['dense']])
+    return {
+        'norm': got['norm'],
+        'zeros': got['zeros'],
+        'param_norm': _param_norm(model, dtype),
+        **oracle(logical),
+        'tp0_only_norm': tp0_only['oracle_norm'],
+        'tp0_only_zeros': tp0_only['oracle_zeros'],
+        'oracle_param_norm': float(params.norm()),
+        'tp0_only_param_norm': float(params_tp0.norm()),
+    }
+
+
 def scenario_layouts(
     ctx, layout_list, seeds, dtype='bf16', distopt_values=(False, True), with_expert=True
 ):
@@ -394,48 +444,12 @@ def scenario_layouts(
             for distopt in distopt_values:
                 _, model, optimizer = _build(ctx, tp, dtype, distopt, expert=with_expert)
                 for seed in seeds:
-                    gen = torch.Generator().manual_seed(seed)
-                    logical = {
-                        'softmax_offset': _draw(gen, HEADS),
-                        'dense': _draw(gen, DENSE),
-                        'expert': torch.stack([_draw(gen, EXPERT) for _ in range(ep)]),
-                    }
-                    local = {
-                        'softmax_offset': logical['softmax_offset'][heads].float(),
-                        'dense': logical['dense'].float(),
-                        'expert': logical['expert'][ep_rank].float(),
-                    }
-                    if not with_expert:
-                        del logical['expert'], local['expert']
+                    logical, local = _draw_grads(seed, ep, heads, ep_rank, with_expert)
                     got = _stats(model, optimizer, local)
-                    with torch.no_grad():
-                        module = model.module
-                        module.attn.softmax_offset.copy_(local['softmax_offset'])
-                        module.dense.copy_(local['dense'])
-                        # Expert values stay zero here: the param norm of expert params is a
-                        # separate matter (it deduplicates them over the dense TP group).
-                        if with_expert:
-                            module.expert.zero_()
-                    optimizer.reload_model_params()
-                    # What a statistic that keeps the sink on TP rank 0 only would report.
-                    tp0 = dict(logical, softmax_offset=logical['softmax_offset'][_heads(0, tp)])
-                    tp0_only = oracle(tp0)
-                    params = torch.cat([logical['softmax_offset'], logical['dense']])
-                    params_tp0 = torch.cat([tp0['softmax_offset'], tp0['dense']])
+                    _load_params(model, optimizer, local, with_expert)
+                    case = _case(logical, got, model, dtype, tp)
                     cases.append(
-                        {
-                            'layout': [tp, ep, etp],
-                            'distopt': distopt,
-                            'seed': seed,
-                            'norm': got['norm'],
-                            'zeros': got['zeros'],
-                            'param_norm': _param_norm(model, dtype),
-                            **oracle(logical),
-                            'tp0_only_norm': tp0_only['oracle_norm'],
-                            'tp0_only_zeros': tp0_only['oracle_zeros'],
-                            'oracle_param_norm': float(params.norm()),
-                            'tp0_only_param_norm': float(params_tp0.norm()),
-                        }
+                        {'layout': [tp, ep, etp], 'distopt': distopt, 'seed': seed, **case}
                     )
                 del model, optimizer
     return {'cases': cases}
