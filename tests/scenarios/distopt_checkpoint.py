@@ -220,8 +220,65 @@ def _stage(fn):
     return value, error, any(errors)
 
 
+def _save(ctx, module_a, optimizer_a, dp_rank, metadata, ckpt, result):
+    """The sharded state dict, then dist_checkpointing.save (torch_dist); True if staging failed."""
+    from megatron.core import dist_checkpointing
+
+    state, result['save_error'], failed = _stage(
+        lambda: optimizer_a.sharded_state_dict(
+            _model_sharded_state_dict(module_a, dp_rank), metadata=metadata
+        )
+    )
+    if not failed:
+        try:
+            dist_checkpointing.save(state, ckpt)
+        except CHECKPOINT_ERRORS as exc:
+            result['save_error'] = _error(exc)
+            if ctx.rank == 0 and 'Failed to validate global plan' in str(exc):
+                _release_writers(ctx.world_size)
+        dist.barrier()
+    return failed
+
+
+def _load(ctx, case, dp_rank, metadata, ckpt, result):
+    """Load into an optimizer from another seed, one step in; return (optimizer, failed)."""
+    from megatron.core import dist_checkpointing
+
+    module_b, _, optimizer_b = _build(ctx, case, seed=23, steps=1)
+    state, result['load_error'], failed = _stage(
+        lambda: optimizer_b.sharded_state_dict(
+            _model_sharded_state_dict(module_b, dp_rank), is_loading=True, metadata=metadata
+        )
+    )
+    if not failed:
+        _, result['load_error'], failed = _stage(
+            lambda: optimizer_b.load_state_dict(dist_checkpointing.load(state, ckpt))
+        )
+    return optimizer_b, failed
+
+
+def _compare(optimizer_a, optimizer_b, result):
+    """Record the compared keys and every state that differs after the round trip."""
+    saved, loaded = _states(optimizer_a), _states(optimizer_b)
+    assert [k for k, _ in saved] == [k for k, _ in loaded]
+    mismatches = []
+    for (key, a), (_, b) in zip(saved, loaded):
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
+            mismatches.append(
+                {
+                    'key': key,
+                    'differ': int((a64 != b64).sum()) if a64.shape == b64.shape else -1,
+                    'numel': a.numel(),
+                    'loaded_zeros': int((b64 == 0).sum()),
+                }
+            )
+    result['compared'] = [k for k, _ in saved]
+    result['mismatches'] = mismatches
+
+
 def _round_trip(ctx, case, root):
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
     metadata = {'distrib_optim_sharding_type': case['sharding']}
@@ -238,55 +295,17 @@ def _round_trip(ctx, case, root):
             os.makedirs(ckpt)
         dist.barrier()
 
-        # Save: the sharded state dict, then dist_checkpointing.save (torch_dist).
-        state, result['save_error'], failed = _stage(
-            lambda: optimizer_a.sharded_state_dict(
-                _model_sharded_state_dict(module_a, dp_rank), metadata=metadata
-            )
-        )
-        if not failed:
-            try:
-                dist_checkpointing.save(state, ckpt)
-            except CHECKPOINT_ERRORS as exc:
-                result['save_error'] = _error(exc)
-                if ctx.rank == 0 and 'Failed to validate global plan' in str(exc):
-                    _release_writers(ctx.world_size)
-            dist.barrier()
+        failed = _save(ctx, module_a, optimizer_a, dp_rank, metadata, ckpt, result)
         result['save_warnings'] = [m for m in handler.messages if 'padded with zeros' in m]
         if result['save_error'] is not None or failed:
             result['files'] = sorted(os.listdir(ckpt))
             return result
 
-        # Load into an optimizer from another seed, one step in.
-        module_b, _, optimizer_b = _build(ctx, case, seed=23, steps=1)
-        state, result['load_error'], failed = _stage(
-            lambda: optimizer_b.sharded_state_dict(
-                _model_sharded_state_dict(module_b, dp_rank), is_loading=True, metadata=metadata
-            )
-        )
-        if not failed:
-            _, result['load_error'], failed = _stage(
-                lambda: optimizer_b.load_state_dict(dist_checkpointing.load(state, ckpt))
-            )
+        optimizer_b, failed = _load(ctx, case, dp_rank, metadata, ckpt, result)
         if failed:
             return result
 
-        saved, loaded = _states(optimizer_a), _states(optimizer_b)
-        assert [k for k, _ in saved] == [k for k, _ in loaded]
-        mismatches = []
-        for (key, a), (_, b) in zip(saved, loaded):
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-                a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
-                mismatches.append(
-                    {
-                        'key': key,
-                        'differ': int((a64 != b64).sum()) if a64.shape == b64.shape else -1,
-                        'numel': a.numel(),
-                        'loaded_zeros': int((b64 == 0).sum()),
-                    }
-                )
-        result['compared'] = [k for k, _ in saved]
-        result['mismatches'] = mismatches
+        _compare(optimizer_a, optimizer_b, result)
         return result
     finally:
         logging.getLogger(LOGGER).removeHandler(handler)
