@@ -263,32 +263,14 @@ def layout_cases(ctx, layout_list, seeds, key, variants, build):
     return {'cases': cases}
 
 
-def scenario_expert_layer_sync(ctx, tp, ep, etp):
-    """Item 6: real expert linear layers with EP = 1 and ETP != TP (or any layout).
-
-    Builds an expert ColumnParallelLinear and RowParallelLinear (both with a bias) from
-    megatron's local tensor-parallel layers, wraps them in DDP and reports:
-    - the ``allreduce`` flag each layer put on its params and the DDP buffer kind (dense or expert)
-      that holds them, with the size of the data-parallel group that reduces that buffer;
-    - gradient synchronisation: every rank writes ``rank + 1`` into every main_grad and runs
-      ``finish_grad_sync``; correct sync sums an expert param over the expert-DP group only
-      (after DDP's 1/|dense DP| scaling);
-    - the grad norm with all-ones grads against the logical count of expert weight elements.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    init_parallel(tp=tp, ep=ep, etp=etp)
-    torch.manual_seed(SEED)
-    hidden, ffn = 4, 8
+def _layer_config(tp, ep, etp):
+    """The bf16 config of the expert layers (MoE fields when EP > 1, no biases when ETP > 1)."""
     kwargs = {}
     if ep > 1:
         kwargs = {'num_moe_experts': ep, 'moe_router_topk': 1, 'moe_router_pre_softmax': True}
         if etp > 1:
             kwargs['add_bias_linear'] = False  # upstream: MoE biases need ETP == 1
-    cfg = stats_config(
+    return stats_config(
         'bf16',
         tp,
         ep,
@@ -299,8 +281,11 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
         **kwargs,
     )
 
-    # Upstream refuses biases on MoE experts with ETP > 1 (TransformerConfig is MoE when EP > 1).
-    bias = not (ep > 1 and etp > 1)
+
+def _expert_ddp(cfg, hidden, ffn, bias):
+    """An expert ColumnParallelLinear and RowParallelLinear pair, wrapped in DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     class _Experts(torch.nn.Module):
         def __init__(self):
@@ -313,19 +298,15 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
                 ffn, hidden, bias=bias, input_is_parallel=True, skip_bias_add=True, **common
             )
 
-    model = DistributedDataParallel(
+    return DistributedDataParallel(
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), _Experts()
     )
-    names = ['fc1.weight', 'fc2.weight']
-    if bias:
-        names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
-    params = dict(model.module.named_parameters())
-    expert_buffer_params = {p for b in model.expert_parallel_buffers for p in b.params}
-    placement = {n: ('expert' if params[n] in expert_buffer_params else 'dense') for n in names}
-    allreduce = {n: getattr(params[n], 'allreduce', None) for n in names}
-    shapes = {n: list(params[n].shape) for n in names}
 
-    # Gradient synchronisation.
+
+def _sync(ctx, model, params, names):
+    """Gradient synchronisation of ``rank + 1`` grads: (synced, expert-DP ranks, correct value)."""
+    from megatron.core import parallel_state as ps
+
     for n in names:
         params[n].main_grad.fill_(float(ctx.rank + 1))
     model.finish_grad_sync()
@@ -336,8 +317,13 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     # param is owned by the expert-DP group.
     dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     correct = sum(r + 1 for r in edp_ranks) / dense_dp
+    return synced, edp_ranks, correct
 
-    # Grad norm with all-ones grads (bf16 optimizer, non-distributed).
+
+def _ones_norm(model, params, names):
+    """Grad norm with all-ones grads (bf16 optimizer, non-distributed)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer='adam', lr=0.0, bf16=True, clip_grad=0.0),
         [model],
@@ -346,7 +332,40 @@ def scenario_expert_layer_sync(ctx, tp, ep, etp):
     for n in names:
         params[n].main_grad.fill_(1.0)
     opt.prepare_grads()
-    norm = float(opt.get_grad_norm())
+    return float(opt.get_grad_norm())
+
+
+def scenario_expert_layer_sync(ctx, tp, ep, etp):
+    """Item 6: real expert linear layers with EP = 1 and ETP != TP (or any layout).
+
+    Builds an expert ColumnParallelLinear and RowParallelLinear (both with a bias) from
+    megatron's local tensor-parallel layers, wraps them in DDP and reports:
+    - the ``allreduce`` flag each layer put on its params and the DDP buffer kind (dense or expert)
+      that holds them, with the size of the data-parallel group that reduces that buffer;
+    - gradient synchronisation: every rank writes ``rank + 1`` into every main_grad and runs
+      ``finish_grad_sync``; correct sync sums an expert param over the expert-DP group only
+      (after DDP's 1/|dense DP| scaling);
+    - the grad norm with all-ones grads against the logical count of expert weight elements.
+    """
+    init_parallel(tp=tp, ep=ep, etp=etp)
+    torch.manual_seed(SEED)
+    hidden, ffn = 4, 8
+    cfg = _layer_config(tp, ep, etp)
+
+    # Upstream refuses biases on MoE experts with ETP > 1 (TransformerConfig is MoE when EP > 1).
+    bias = not (ep > 1 and etp > 1)
+    model = _expert_ddp(cfg, hidden, ffn, bias)
+    names = ['fc1.weight', 'fc2.weight']
+    if bias:
+        names = ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
+    params = dict(model.module.named_parameters())
+    expert_buffer_params = {p for b in model.expert_parallel_buffers for p in b.params}
+    placement = {n: ('expert' if params[n] in expert_buffer_params else 'dense') for n in names}
+    allreduce = {n: getattr(params[n], 'allreduce', None) for n in names}
+    shapes = {n: list(params[n].shape) for n in names}
+
+    synced, edp_ranks, correct = _sync(ctx, model, params, names)
+    norm = _ones_norm(model, params, names)
     # Logical expert elements: fc1/fc2 weights and the fc1 bias are split over ETP, distinct per
     # EP rank; the fc2 bias (not tensor-parallel) is replicated over ETP. Each expert (EP rank)
     # owns one copy.
