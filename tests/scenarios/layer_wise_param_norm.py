@@ -144,6 +144,42 @@ def _qk_model(ctx):
     return cfg, module
 
 
+def _set_grads(model):
+    """Seeded grads of 1/8 multiples in every trainable param's main_grad; return them (FP64)."""
+    gen = torch.Generator().manual_seed(99)
+    grads = {}
+    for param in model.module.parameters():
+        if not param.requires_grad:
+            continue
+        grads[param] = torch.randint(-8, 9, param.shape, generator=gen).double() / 8.0
+        param.main_grad.copy_(grads[param])
+    return grads
+
+
+def _set_max_logits(ctx, layers, rank):
+    """Record this rank's per-head max logits on every layer; return the DP max per layer."""
+    logits = []
+    for index, layer in enumerate(layers):
+        local = torch.tensor([3.0 + index + rank, 1.0 + rank / 4.0])
+        layer.self_attention.core_attention.current_max_attn_logits = local.to(ctx.device)
+        logits.append([3.0 + index + 1, 1.25])  # the DP max (world 2)
+    return logits
+
+
+def _qk_reference(initial, weights, logits, grads):
+    """FP64 reference of each clipped linear_qkv weight (see scenario_qk_clip)."""
+    reference = []
+    rows = QK_HEAD_DIM
+    for w0, weight, layer_logits in zip(initial, weights, logits):
+        updated = w0 - LR * grads[weight]
+        eta = torch.tensor([min(1.0, QK_THRESHOLD / m) for m in layer_logits], dtype=torch.float64)
+        blocks = updated.view(QK_HEADS, 3 * rows, -1).clone()
+        blocks[:, :rows] *= eta.pow(QK_ALPHA).view(-1, 1, 1)
+        blocks[:, rows : 2 * rows] *= eta.pow(1 - QK_ALPHA).view(-1, 1, 1)
+        reference.append(blocks.reshape(-1).tolist())
+    return reference
+
+
 def scenario_qk_clip(ctx, setup='layout'):
     """One LayerWise step (SGD, lr 1/2, grads of 1/8 multiples), clip_qk, then the param gather.
 
@@ -170,21 +206,11 @@ def scenario_qk_clip(ctx, setup='layout'):
     layers = list(model.module.module.decoder.layers)
     weights = [layer.self_attention.linear_qkv.weight for layer in layers]
     initial = [w.detach().double().clone() for w in weights]
-    gen = torch.Generator().manual_seed(99)
-    grads = {}
-    for param in model.module.parameters():
-        if not param.requires_grad:
-            continue
-        grads[param] = torch.randint(-8, 9, param.shape, generator=gen).double() / 8.0
-        param.main_grad.copy_(grads[param])
+    grads = _set_grads(model)
     optimizer.step()
     # Per-head max logits as TE records them: different on each DP rank (clip_qk takes the MAX
     # over DP); head 0 of each layer above the threshold, head 1 below it.
-    logits = []
-    for index, layer in enumerate(layers):
-        local = torch.tensor([3.0 + index + rank, 1.0 + rank / 4.0])
-        layer.self_attention.core_attention.current_max_attn_logits = local.to(ctx.device)
-        logits.append([3.0 + index + 1, 1.25])  # the DP max (world 2)
+    logits = _set_max_logits(ctx, layers, rank)
     max_logit = clip_qk([model])
     owned = [getattr(w, 'main_param', None) is not None for w in weights]
     after_clip = [w.detach().float().reshape(-1).tolist() for w in weights]
@@ -193,15 +219,7 @@ def scenario_qk_clip(ctx, setup='layout'):
 
     # FP64 reference: SGD step, then per query group q rows times eta^alpha and k rows times
     # eta^(1 - alpha), eta = min(1, threshold / max logit); v rows unchanged.
-    reference = []
-    rows = QK_HEAD_DIM
-    for w0, weight, layer_logits in zip(initial, weights, logits):
-        updated = w0 - LR * grads[weight]
-        eta = torch.tensor([min(1.0, QK_THRESHOLD / m) for m in layer_logits], dtype=torch.float64)
-        blocks = updated.view(QK_HEADS, 3 * rows, -1).clone()
-        blocks[:, :rows] *= eta.pow(QK_ALPHA).view(-1, 1, 1)
-        blocks[:, rows : 2 * rows] *= eta.pow(1 - QK_ALPHA).view(-1, 1, 1)
-        reference.append(blocks.reshape(-1).tolist())
+    reference = _qk_reference(initial, weights, logits, grads)
     return {
         'max_logit': float(max_logit),
         'expected_max_logit': max(max(v) for v in logits),
