@@ -172,27 +172,18 @@ def _build(config, params):
     return TinyMTPModel(config)
 
 
-def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
-    """One step of DP x CP ranks, one microbatch each; the grads after ``finalize_model_grads``.
+def _ddp_model(ctx, depth, seed):
+    """The tiny MTP model under DDP, per-token loss, its schedule hooks set as train() does.
 
-    Returns:
-        dict with this rank's ``grads`` (name -> list, after finalize), the float64 ``reference``
-        (global counts) and ``local`` (per-rank counts) grads, and the token counts.
+    Returns (config, params, module, model).
     """
-    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-    from tests.scenarios.common import init_parallel, make_config
+    from tests.scenarios.common import make_config
 
-    init_parallel(cp=cp)
-    MTPLossLoggingHelper.tracker = {}  # sized by the first call's depth; training cleans it
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
     config = make_config(
         hidden_size=HIDDEN,
         mtp_num_layers=depth,
@@ -211,39 +202,71 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
     config.no_sync_func = None
     config.grad_scale_func = None
     config.timers = None
+    return config, params, module, model
 
-    masks = _masks(dp_size, uneven)
-    data = [_batch(seed, r) for r in range(dp_size)]
-    cp_rank = parallel_state.get_context_parallel_rank()
-    tokens, labels, mask = (_cp_slice(x, cp_rank, cp) for x in (*data[dp_rank], masks[dp_rank]))
 
-    def forward_step(data_iterator, model):
-        tok, lab, mask = next(data_iterator)
-        output = model(tok, lab, mask)
+def _forward_step(data_iterator, model):
+    """The schedule's forward step: the model's output and the per-token (masked) loss."""
+    tok, lab, mask = next(data_iterator)
+    output = model(tok, lab, mask)
 
-        def loss_func(output_tensor):
-            loss = (output_tensor.float() * mask).sum()
-            num_tokens = mask.sum().to(torch.int)
-            return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), num_tokens.float()])}
+    def loss_func(output_tensor):
+        loss = (output_tensor.float() * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), num_tokens.float()])}
 
-        return output, loss_func
+    return output, loss_func
+
+
+def _step(model, batches, num_microbatches):
+    """One training step's forward and backward over ``batches`` (tokens, labels, mask)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.zero_grad_buffer()
     get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([(tokens.to(ctx.device), labels.to(ctx.device), mask.to(ctx.device))]),
+        forward_step_func=_forward_step,
+        data_iterator=iter(batches),
         model=[model],
-        num_microbatches=1,
+        num_microbatches=num_microbatches,
         seq_length=SEQ,
         micro_batch_size=BATCH,
         forward_only=False,
     )
+
+
+def _main_grads(module):
+    """The main_grad of the embedding, MTP projection and output layer, as float lists."""
     grads = {
         'embedding': module.embedding.main_grad,
         'mtp_proj': module.mtp_proj.main_grad,
         'output': module.output_layer.weight.main_grad,
     }
-    got = {k: v.detach().double().reshape(-1).tolist() for k, v in grads.items()}
+    return {k: v.detach().double().reshape(-1).tolist() for k, v in grads.items()}
+
+
+def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
+    """One step of DP x CP ranks, one microbatch each; the grads after ``finalize_model_grads``.
+
+    Returns:
+        dict with this rank's ``grads`` (name -> list, after finalize), the float64 ``reference``
+        (global counts) and ``local`` (per-rank counts) grads, and the token counts.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from tests.scenarios.common import init_parallel
+
+    init_parallel(cp=cp)
+    MTPLossLoggingHelper.tracker = {}  # sized by the first call's depth; training cleans it
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    _, params, module, model = _ddp_model(ctx, depth, seed)
+
+    masks = _masks(dp_size, uneven)
+    data = [_batch(seed, r) for r in range(dp_size)]
+    cp_rank = parallel_state.get_context_parallel_rank()
+    tokens, labels, mask = (_cp_slice(x, cp_rank, cp) for x in (*data[dp_rank], masks[dp_rank]))
+    _step(model, [(tokens.to(ctx.device), labels.to(ctx.device), mask.to(ctx.device))], 1)
+    got = _main_grads(module)
     reference = _reference(params, data, masks, depth, 'global')
     local = _reference(params, data, masks, depth, 'local')
 
