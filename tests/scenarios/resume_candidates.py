@@ -375,12 +375,12 @@ def _step_state(optimizer):
     return {'steps': steps, 'shared_step_tensor': len(ids) == 1 and len(steps) > 1}
 
 
-def _round_trip(ctx, case, root):
-    from megatron.core import dist_checkpointing, parallel_state
+def _run_a(ctx, case, root, dp_rank, metadata, result):
+    """Run A: build, record its layout, take ``steps`` steps and save.
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    metadata = _metadata(case)
-    result = {'name': case['name'], 'save_error': None, 'load_error': None}
+    Returns (module, ddp, optimizer, checkpoint folder, whether staging or saving failed).
+    """
+    from megatron.core import dist_checkpointing
 
     module_a, ddp_a, opt_a = _build(case, seed=11)
     result['geometry'] = _geometry(opt_a)
@@ -410,11 +410,16 @@ def _round_trip(ctx, case, root):
         result['common_param_state'] = _find_key(common, 'param_state')
     if not failed and case.get('check_content'):
         result['content_wrong'] = _content_wrong(opt_a, module_a, case, ckpt)
-    if failed:
-        result['files'] = sorted(os.listdir(ckpt))
-        return result
+    return module_a, ddp_a, opt_a, ckpt, failed
 
-    # Run B: another seed, ``load_steps`` steps of its own (0: fresh), then the load.
+
+def _run_b(case, dp_rank, metadata, ckpt, result):
+    """Run B: another seed, ``load_steps`` steps of its own (0: fresh), then the load.
+
+    Returns (module, ddp, optimizer), or None with result['load_stage'] set if the load failed.
+    """
+    from megatron.core import dist_checkpointing
+
     module_b, ddp_b, opt_b = _build(case, seed=23)
     for step in range(case.get('load_steps', 0)):
         _step(module_b, ddp_b, opt_b, 100 + step)
@@ -428,7 +433,7 @@ def _round_trip(ctx, case, root):
     )
     if failed:
         result['load_stage'] = 'sharded_state_dict'
-        return result
+        return None
 
     def load():
         loaded = dist_checkpointing.load(state, ckpt)
@@ -440,13 +445,16 @@ def _round_trip(ctx, case, root):
     _, result['load_error'], failed = _stage(load)
     if failed:
         result['load_stage'] = 'load'
-        return result
+        return None
+    return module_b, ddp_b, opt_b
 
-    result['mismatches'] = _compare(_states(opt_a), _states(opt_b))
-    result['step_a'], result['step_b'] = _step_state(opt_a), _step_state(opt_b)
 
-    # Both runs take the next step on the same gradients: the resumed run should be the run
-    # that never stopped.
+def _next_step(case, run_a, run_b, result):
+    """Both runs take the next step on the same gradients.
+
+    The resumed run (B) should then be the run that never stopped (A).
+    """
+    (module_a, ddp_a, opt_a), (module_b, ddp_b, opt_b) = run_a, run_b
     _step(module_a, ddp_a, opt_a, case['steps'])
     _step(module_b, ddp_b, opt_b, case['steps'])
     diffs = [
@@ -458,6 +466,28 @@ def _round_trip(ctx, case, root):
         torch.equal(a, b) for a, b in zip(module_a.parameters(), module_b.parameters())
     )
     result['step_a_next'], result['step_b_next'] = _step_state(opt_a), _step_state(opt_b)
+
+
+def _round_trip(ctx, case, root):
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    metadata = _metadata(case)
+    result = {'name': case['name'], 'save_error': None, 'load_error': None}
+
+    module_a, ddp_a, opt_a, ckpt, failed = _run_a(ctx, case, root, dp_rank, metadata, result)
+    if failed:
+        result['files'] = sorted(os.listdir(ckpt))
+        return result
+
+    run_b = _run_b(case, dp_rank, metadata, ckpt, result)
+    if run_b is None:
+        return result
+    opt_b = run_b[2]
+
+    result['mismatches'] = _compare(_states(opt_a), _states(opt_b))
+    result['step_a'], result['step_b'] = _step_state(opt_a), _step_state(opt_b)
+    _next_step(case, (module_a, ddp_a, opt_a), run_b, result)
     return result
 
 
