@@ -164,8 +164,7 @@ class PPTrainer:
     ):
         from megatron.core import parallel_state as ps
         from megatron.core import rerun_state_machine
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer.module import Float16Module
+        from megatron.core.distributed import DistributedDataParallelConfig
 
         rerun_state_machine.destroy_rerun_state_machine()
         rerun_state_machine.initialize_rerun_state_machine()
@@ -187,21 +186,7 @@ class PPTrainer:
             bucket_size=bucket_size,
             overlap_param_gather=opg,
         )
-        self.model = []
-        for i in range(vpp):
-            stage = i * pp + rank  # virtual stage of chunk i
-            first, last = stage == 0, stage == pp * vpp - 1
-            chunk = _stage_model(self.config, first, last, 1234 + 101 * stage, i).to(ctx.device)
-            if dtype != 'fp32':
-                chunk = Float16Module(self.config, chunk)
-            self.model.append(
-                DistributedDataParallel(
-                    config=self.config,
-                    ddp_config=ddp_config,
-                    module=chunk,
-                    disable_bucketing=i > 0,  # as get_model()
-                )
-            )
+        self.model = self._chunks(ctx, dtype, ddp_config, pp, rank)
         self.optimizer = build_optimizer(
             self.model, dtype=dtype, distopt=distopt, **(opt_kwargs or {})
         )
@@ -216,6 +201,28 @@ class PPTrainer:
         self.args.pipeline_model_parallel_size = pp
         self.args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
         self.args.expert_model_parallel_size = ps.get_expert_model_parallel_world_size()
+
+    def _chunks(self, ctx, dtype, ddp_config, pp, rank):
+        """One DDP-wrapped model chunk per virtual stage on this rank (fp16/bf16: Float16Module)."""
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.transformer.module import Float16Module
+
+        model = []
+        for i in range(self.vpp):
+            stage = i * pp + rank  # virtual stage of chunk i
+            first, last = stage == 0, stage == pp * self.vpp - 1
+            chunk = _stage_model(self.config, first, last, 1234 + 101 * stage, i).to(ctx.device)
+            if dtype != 'fp32':
+                chunk = Float16Module(self.config, chunk)
+            model.append(
+                DistributedDataParallel(
+                    config=self.config,
+                    ddp_config=ddp_config,
+                    module=chunk,
+                    disable_bucketing=i > 0,  # as get_model()
+                )
+            )
+        return model
 
     def iterators(self, make):
         """Per-chunk iterators as pretrain() builds them: first and last stage only (the warmup
@@ -240,6 +247,20 @@ class PPTrainer:
             for _, p in chunk.named_parameters():
                 W._sha(h, p)
         out['params'] = h.hexdigest()[:16]
+        self._optimizer_digests(out)
+        out['scheduler'] = repr(sorted(self.scheduler.state_dict().items()))
+        h = hashlib.sha256()
+        W._sha(h, torch.get_rng_state())
+        h.update(repr(random.getstate()).encode())
+        h.update(np.random.get_state()[1].tobytes())
+        out['rng'] = h.hexdigest()[:16]
+        args = self.args
+        out['counters'] = [args.iteration, args.consumed_train_samples]
+        self._buffer_digests(out)
+        return out
+
+    def _optimizer_digests(self, out):
+        """Per sub-optimizer: a digest of its groups, params and live state; its state entries."""
         for index, opt in enumerate(W._optimizers(self.optimizer)):
             h = hashlib.sha256()
             inner = opt.optimizer
@@ -259,14 +280,9 @@ class PPTrainer:
             sum(bool(_live_state(state)) for state in o.optimizer.state.values())
             for o in W._optimizers(self.optimizer)
         ]
-        out['scheduler'] = repr(sorted(self.scheduler.state_dict().items()))
-        h = hashlib.sha256()
-        W._sha(h, torch.get_rng_state())
-        h.update(repr(random.getstate()).encode())
-        h.update(np.random.get_state()[1].tobytes())
-        out['rng'] = h.hexdigest()[:16]
-        args = self.args
-        out['counters'] = [args.iteration, args.consumed_train_samples]
+
+    def _buffer_digests(self, out):
+        """Digests of the grad buffers and module buffers, the expert bias, DDP calibration."""
         h = hashlib.sha256()
         for chunk in self.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
@@ -293,7 +309,6 @@ class PPTrainer:
         out['n_expert_bucket_groups'] = sum(
             len(c.expert_parallel_bucket_groups) for c in self.model
         )
-        return out
 
     def real_steps(self, steps, first_step=0, warmup=None):
         """train()'s set-up, then ``warmup(param_sync_func)`` where train() calls run_warmup()
