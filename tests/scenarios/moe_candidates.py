@@ -348,75 +348,21 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
     N / M (what the rescale in process_mtp_loss computes at forward time).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from tests.scenarios import mtp_per_token_loss as mtp
-    from tests.scenarios.common import make_config
 
     ps.initialize_model_parallel()
     world = torch.distributed.get_world_size()
     try:
         MTPLossLoggingHelper.tracker = {}
-        config = make_config(
-            hidden_size=mtp.HIDDEN,
-            mtp_num_layers=depth,
-            mtp_loss_scaling_factor=mtp.SCALE,
-            calculate_per_token_loss=True,
-            use_cpu_initialization=True,
-        )
-        params = mtp._init_params(seed)
-        module = mtp._build(config, params).to(ctx.device)
-        model = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False),
-            module=module,
-        )
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = None
-        config.grad_scale_func = None
-        config.timers = None
+        _, params, module, model = mtp._ddp_model(ctx, depth, seed)
         masks = mtp._masks(num_microbatches, True)
         data = [mtp._batch(seed, i) for i in range(num_microbatches)]
         batches = [(tok, lab, m) for (tok, lab), m in zip(data, masks)]
-
-        def forward_step(data_iterator, model):
-            tok, lab, mask = next(data_iterator)
-            output = model(tok, lab, mask)
-
-            def loss_func(output_tensor):
-                loss = (output_tensor.float() * mask).sum()
-                num_tokens = mask.sum().to(torch.int)
-                return (
-                    loss,
-                    num_tokens,
-                    {'lm loss': torch.stack([loss.detach(), num_tokens.float()])},
-                )
-
-            return output, loss_func
-
-        model.zero_grad_buffer()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=num_microbatches,
-            seq_length=mtp.SEQ,
-            micro_batch_size=mtp.BATCH,
-            forward_only=False,
-        )
+        mtp._step(model, batches, num_microbatches)
         # Every DP rank ran the same microbatches: the grads and the token count summed over DP
         # give the same quotient as one rank alone.
-        got = {
-            'embedding': module.embedding.main_grad,
-            'mtp_proj': module.mtp_proj.main_grad,
-            'output': module.output_layer.weight.main_grad,
-        }
-        got = {k: v.detach().double().reshape(-1).tolist() for k, v in got.items()}
+        got = mtp._main_grads(module)
         return {
             'grads': got,
             'reference': mtp._reference(params, data, masks, depth, 'global'),
