@@ -61,7 +61,9 @@ def main():
     g = torch.Generator().manual_seed(0)
     w0 = torch.randn(SIZE, SIZE, generator=g)
     w_grad = torch.randn(SIZE, SIZE, generator=g)
-    print(f'megatron-core {megatron.core.__version__} from {megatron.core.__file__}, torch {torch.__version__}')
+    print(
+        f'megatron-core {megatron.core.__version__} from {megatron.core.__file__}, torch {torch.__version__}'
+    )
     print(f'matrix grad norm {float(w_grad.norm()):.4g}')
     for big in (1e2, 1e6, 1e9, 1e10, 1e12):
         b_grad = torch.full((SIZE,), big)
