@@ -1,4 +1,4 @@
-"""Issue 31 (MoE gradients), candidates 1-6: pristine upstream against an FP64 oracle, and the fork.
+"""Issue 31 (MoE gradients), candidates 1-8: pristine upstream against an FP64 oracle, and the fork.
 
 Router gradients (candidates 1-3): upstream's ``TopKRouter`` in megatron DDP on 2 CPU ranks at
 TP 2 (sequence parallel), one forward over a seeded global batch, a zero main loss (only the aux
