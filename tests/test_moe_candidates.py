@@ -1,4 +1,4 @@
-"""Issue 31 (MoE gradients), candidates 1-6: pristine upstream against an FP64 oracle, and the fork.
+"""Issue 31 (MoE gradients), candidates 1-8: pristine upstream against an FP64 oracle, and the fork.
 
 Router gradients (candidates 1-3): upstream's ``TopKRouter`` in megatron DDP on 2 CPU ranks at
 TP 2 (sequence parallel), one forward over a seeded global batch, a zero main loss (only the aux
@@ -44,6 +44,8 @@ MLP_BIAS = 'moe-expert-bias-out-of-place'  # 0033
 VALID_COUNT = 'moe-aux-loss-valid-token-count'  # 0034
 SEQ_COUNT = 'moe-seq-aux-loss-token-count'  # 0035 (dev)
 METRICS_PP = 'moe-metrics-pp-names'  # 0036
+MTP_COUNTS = 'mtp-per-token-loss-microbatch-counts'  # 0043
+OBJECTIVES = ('tokens', 'per_microbatch', 'reference')  # tests/scenarios/moe_candidates.py
 
 LOSSES = ('aux_loss', 'seq_aux_loss', 'global_aux_loss', 'z')
 CASES = [
@@ -283,25 +285,29 @@ def test_moe_bias_ep1(tree):
 
 
 # ------------------------------------------------------------------------------------------
-# 8: MTP under per-token loss over gradient-accumulation microbatches (not fixed: see the README).
+# 8: MTP under per-token loss over gradient-accumulation microbatches.
 
 
 @pytest.mark.parametrize('tree', TREES)
 def test_mtp_microbatch_counts(tree):
-    """Two microbatches with 11 / 9 and 3 / 2 valid main / MTP tokens: each microbatch's MTP loss
-    is rescaled by its own N / M (0019 sums the counts over DP x CP, not over microbatches), so
-    the grads equal the float64 objective with per-microbatch ratios and not the objective of
-    per-token loss over the step (MTP tokens weighted 1 / M_step), on every tree."""
+    """Two microbatches with 11 / 9 and 3 / 2 valid main / MTP tokens. Pristine rescales each
+    microbatch's MTP loss by its own N / M (0019 sums the counts over DP x CP, not over
+    microbatches): the grads equal the float64 objective with per-microbatch ratios, not the
+    fork's objective (every MTP token weighted scale / N_step, like a main token) nor the
+    per-token mean of the MTP term. The fork (0043) equals its objective and not pristine's."""
     res = _result(tree, 'mtp')
     assert res['counts'] == [[11.0, 9.0], [3.0, 2.0]], res['counts']
     eps = torch.finfo(torch.float32).eps
+    fixed = _fixed(tree, MTP_COUNTS)
     for name, got in res['grads'].items():
         got = torch.tensor(got, dtype=torch.float64)
-        ref = torch.tensor(res['reference'][name], dtype=torch.float64)
-        per_mb = torch.tensor(res['per_microbatch'][name], dtype=torch.float64)
-        bound = 64 * eps * max(float(ref.abs().max()), 1.0)
-        assert float((got - per_mb).abs().max()) <= bound, name
-        assert float((got - ref).abs().max()) > 100 * bound, name
+        want = {k: torch.tensor(res[k][name], dtype=torch.float64) for k in OBJECTIVES}
+        bound = 64 * eps * max(float(want['tokens'].abs().max()), 1.0)
+        match = 'tokens' if fixed else 'per_microbatch'
+        assert float((got - want[match]).abs().max()) <= bound, (name, match)
+        for other in OBJECTIVES:
+            if other != match:
+                assert float((got - want[other]).abs().max()) > 100 * bound, (name, other)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
-"""MTP loss with calculate_per_token_loss and uneven loss masks over DP and CP (patch 0019).
+"""MTP loss with calculate_per_token_loss and uneven loss masks over DP and CP (0019, 0043).
 
 A model calls the real ``process_mtp_loss`` as ``GPTModel`` does (real ColumnParallelLinear head,
 ``LanguageModule.compute_language_model_loss``), under DDP, the no-pipelining schedule and
-``finalize_model_grads``; its grads are compared with the FP64 grads of the per-token objective
-computed over the whole batch in one process (tests/scenarios/mtp_per_token_loss.py). Arms:
-- fork: equal to the global reference with uneven masks over DP (MTP depth 1 and 2) and over CP.
-- pristine (counterfactual): equal to the rank-local rule ``N_r / M_r`` instead (the exact wrong
-  value), and off the reference by more than 1e-3, over DP and over CP.
-- both: equal to the reference when every rank holds the same tokens (the rescale is unchanged).
+``finalize_model_grads``; its grads are compared with FP64 grads computed over the whole batch in
+one process (tests/scenarios/mtp_per_token_loss.py): ``reference`` with the MTP term a per-token
+mean over the batch (what 0019 trained), ``tokens`` with every MTP token weighted like a main token
+(scale / N, what 0043 trains), ``local`` with each rank's own ratio ``N_r / M_r`` (pristine). Arms:
+- fork: equal to ``tokens`` with uneven masks over DP (MTP depth 1 and 2), over CP, and even.
+- pristine (counterfactual): equal to ``local`` (the exact wrong value), and off the reference by
+  more than 1e-3, over DP and over CP.
+- pristine, even masks: equal to the reference (every rank's ratio is the batch's).
 """
 
 import pytest
@@ -39,10 +41,11 @@ def _results(tree, arm):
 
 
 @pytest.mark.parametrize('arm', ['dp', 'dp-depth2', 'cp', 'even'])
-def test_fork_matches_the_global_reference(arm):
+def test_fork_weights_every_mtp_token_like_a_main_token(arm):
     res = _results(bases.FORK, arm)
-    assert res['diff_reference'] < TOL, res['diff_reference']
-    assert res['mtp_proj_norm'] == pytest.approx(res['mtp_proj_norm_reference'], rel=1e-6)
+    assert res['diff_tokens'] < TOL, res['diff_tokens']
+    assert res['mtp_proj_norm'] == pytest.approx(res['mtp_proj_norm_tokens'], rel=1e-6)
+    assert res['diff_reference'] > 1e-3, res['diff_reference']  # the MTP term times M / N
 
 
 @pytest.mark.parametrize('arm', ['dp', 'dp-depth2'])
@@ -56,6 +59,7 @@ def test_pristine_uses_rank_local_counts_over_dp(arm):
     assert res['diff_reference'] > 1e-3, res['diff_reference']
     assert res['mtp_proj_norm'] == pytest.approx(res['mtp_proj_norm_local'], rel=1e-6)
     assert res['mtp_proj_norm'] != pytest.approx(res['mtp_proj_norm_reference'], rel=1e-3)
+    assert res['diff_tokens'] > 1e-3, res['diff_tokens']
 
 
 def test_pristine_uses_rank_local_counts_over_cp():

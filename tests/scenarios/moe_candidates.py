@@ -343,9 +343,11 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
 
     The model, the data and the float64 references are tests/scenarios/mtp_per_token_loss.py's,
     with the microbatches in place of the DP ranks there: 'reference' is the objective of
-    per-token loss over the whole step (MTP tokens weighted 1 / M with M summed over the
-    microbatches), 'per_microbatch' the same with each microbatch's MTP loss rescaled by its own
-    N / M (what the rescale in process_mtp_loss computes at forward time).
+    per-token loss over the whole step with the MTP term a mean over its tokens (MTP tokens
+    weighted 1 / M with M summed over the microbatches), 'per_microbatch' the same with each
+    microbatch's MTP loss rescaled by its own N / M (pristine's rescale at forward time), and
+    'tokens' the fork's objective since 0043 (every MTP token weighted scale / N, N the step's
+    main-loss token count, as a main token is weighted 1 / N).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -367,6 +369,7 @@ def scenario_mtp_microbatches(ctx, depth=1, seed=1, num_microbatches=2):
             'grads': got,
             'reference': mtp._reference(params, data, masks, depth, 'global'),
             'per_microbatch': mtp._reference(params, data, masks, depth, 'local'),
+            'tokens': mtp._reference(params, data, masks, depth, 'tokens'),
             'dp_size': ps.get_data_parallel_world_size(),
             'world': world,
             'counts': [[float(m.sum()), float(mtp._rolled(m.clone(), 1).sum())] for m in masks],

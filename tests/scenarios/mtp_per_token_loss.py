@@ -13,7 +13,10 @@ process over the whole global batch, the objective that per-token loss means,
     J = sum(main loss) / N + scale / D * sum_k sum(MTP_k loss) / M_k,
 
 with N and M_k the valid (original and rolled) token counts of the global batch. ``local`` is
-the objective of a per-rank rescale by ``N_r / M_k,r`` (the rank's own counts) instead.
+the objective of a per-rank rescale by ``N_r / M_k,r`` (the rank's own counts) instead, and
+``tokens`` the one the fork trains since 0043, every MTP token weighted like a main token:
+
+    J_tokens = (sum(main loss) + scale / D * sum_k sum(MTP_k loss)) / N.
 """
 
 import inspect
@@ -85,7 +88,7 @@ def _rolled(x, k):
 
 
 def _reference(params, data, masks, depth, rule):
-    """Float64 grads (name -> list) of the objective; ``rule`` 'global' or 'local'."""
+    """Float64 grads (name -> list) of the objective; ``rule`` 'global', 'local' or 'tokens'."""
     p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     n_total = sum(m.sum() for m in masks)
     total = torch.zeros((), dtype=torch.float64)
@@ -112,6 +115,8 @@ def _reference(params, data, masks, depth, rule):
         for s, m, n in (terms[k] for terms in per_rank_mtp):
             if rule == 'global':
                 total = total + SCALE / depth * s / m_total
+            elif rule == 'tokens':
+                total = total + SCALE / depth * s / n_total
             else:
                 total = total + SCALE / depth * s * (n / m.clamp(min=1)) / n_total
     total.backward()
@@ -269,6 +274,7 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
     got = _main_grads(module)
     reference = _reference(params, data, masks, depth, 'global')
     local = _reference(params, data, masks, depth, 'local')
+    tokens = _reference(params, data, masks, depth, 'tokens')
 
     def _diff(expected):
         return max(abs(a - b) for k in got for a, b in zip(got[k], expected[k]))
@@ -282,9 +288,11 @@ def scenario_mtp_grads(ctx, depth=1, uneven=True, seed=1, cp=1):
         'local': local,
         'diff_reference': _diff(reference),
         'diff_local': _diff(local),
+        'diff_tokens': _diff(tokens),
         'mtp_proj_norm': _norm(got['mtp_proj']),
         'mtp_proj_norm_reference': _norm(reference['mtp_proj']),
         'mtp_proj_norm_local': _norm(local['mtp_proj']),
+        'mtp_proj_norm_tokens': _norm(tokens['mtp_proj']),
         'counts': [
             [float(m.sum()), [float(_rolled(m.clone(), k).sum()) for k in range(1, depth + 1)]]
             for m in masks
