@@ -151,7 +151,7 @@ def model_config(case, dtype, reference):
         moe_shared_expert_intermediate_size=SHARED_FFN,
         moe_router_topk=TOPK,
         moe_router_score_function='sigmoid',
-        moe_router_enable_expert_bias=True,
+        moe_router_enable_expert_bias=case['bias'],
         moe_router_bias_update_rate=BIAS_RATE,
         moe_router_dtype='fp64' if dtype == torch.float64 else 'fp32',
         moe_token_dispatcher_type='allgather',
@@ -290,6 +290,8 @@ def _router_state(module):
     """{'<decoder|mtp>:<layer number>': (expert bias, tokens per expert)} of every router."""
     out = {}
     for name, router in _routers(module):
+        if router.expert_bias is None:
+            continue
         where = 'mtp' if name.startswith('mtp.') else 'decoder'
         out[f'{where}:{router.layer_number}'] = (
             router.expert_bias.detach().double().tolist(),
@@ -386,6 +388,8 @@ def _cpu_stand_ins():
     """What the CPU ranks lack, stood in for the whole call:
 
     - the CUDA RNG tracker's fork has no state: a no-op (dropout is 0);
+    - torch.compile (the router's jit_fuser): eager, as tests/scenarios/moe_candidates.py
+      (the CUDA-on-CPU redirect does not run under dynamo; compiling also costs most of a call);
     - apex's FusedLayerNorm, which the local spec takes when apex is installed and which marks
       its params ``sequence_parallel`` (so that finalize_model_grads sums their grads over TP):
       the local spec's fallback, torch's LayerNorm (``WrappedTorchNorm``), refuses sequence
@@ -396,6 +400,8 @@ def _cpu_stand_ins():
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    compiled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
     original = WrappedTorchNorm.__new__
 
     def new(cls, config, *args, **kwargs):
@@ -414,6 +420,7 @@ def _cpu_stand_ins():
         yield
     finally:
         WrappedTorchNorm.__new__ = original
+        torch._dynamo.config.disable = compiled
         del tracker.fork
 
 
