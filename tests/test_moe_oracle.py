@@ -108,9 +108,21 @@ def _case(layout_name, variant, bias=True):
 # a padding mask run without the expert bias there, and the error itself on DP 2 (every rank
 # raises at the same point).
 BIAS_PAD_BROKEN = not _fixed(PRISTINE, BIAS_PAD)
-CASES = {FORK: [_case(lay, var) for lay in LAYOUTS for var in VARIANTS], PRISTINE: []}
+# TP x PP with a padding mask: GPTModel scatters the padding mask to the sequence-parallel
+# chunks only on the first stage (its embedding branch); later stages route their chunk with
+# the whole mask and raise (`The size of tensor a (8) must match the size of tensor b (16) at
+# non-singleton dimension 0`) while their peers wait, on every tree: not covered (results README).
+PAD_UNSUPPORTED = ('tp2pp2',)
+
+
+def _variants(layout_name, variants):
+    return [v for v in variants if not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)]
+
+
+CASES = {FORK: [], PRISTINE: []}
 for _lay in LAYOUTS:
-    for _var in PRISTINE_VARIANTS:
+    CASES[FORK] += [_case(_lay, _var) for _var in _variants(_lay, VARIANTS)]
+    for _var in _variants(_lay, PRISTINE_VARIANTS):
         CASES[PRISTINE].append(_case(_lay, _var, bias=not (BIAS_PAD_BROKEN and VARIANTS[_var][1])))
 if BIAS_PAD_BROKEN:
     CASES[PRISTINE].append(_case('dp2', 'pt1-pad1-do1'))
@@ -120,17 +132,6 @@ def _ref_key(case):
     """The reference depends on the model and the global batch, not on the layout."""
     keep = ('dp', 'lb', 'z', 'mtp', 'per_token', 'pad', 'bias')
     return '-'.join(f'{k}={case[k]}' for k in keep)
-
-
-REF_CASES = {}
-for _c in CASES[FORK] + CASES[PRISTINE]:
-    REF_CASES.setdefault(_ref_key(_c), dict(_c, name=_ref_key(_c)))
-
-CALLS = {'ref': call(1, FORK, MOD + 'scenario_reference', cases=list(REF_CASES.values()))}
-for _tree in TREES:
-    for _world in (2, 4):
-        _cases = [c for c in CASES[_tree] if c['world'] == _world]
-        CALLS[_tree, _world] = call(_world, _tree, MOD + 'scenario_parallel', cases=_cases)
 
 
 def _breaks(tree, case):
@@ -153,6 +154,21 @@ def _breaks(tree, case):
         if case['mtp'] and case['dp'] > 1 and not _fixed(tree, MTP_DP):
             out.append('0019 MTP per-token over DP')
     return out
+
+
+# The pristine arm runs only the cases that discriminate on this base (a candidate it lacks).
+CASES[PRISTINE] = [c for c in CASES[PRISTINE] if _breaks(PRISTINE, c)]
+
+REF_CASES = {}
+for _c in CASES[FORK] + CASES[PRISTINE]:
+    REF_CASES.setdefault(_ref_key(_c), dict(_c, name=_ref_key(_c)))
+
+CALLS = {'ref': call(1, FORK, MOD + 'scenario_reference', cases=list(REF_CASES.values()))}
+for _tree in TREES:
+    for _world in (2, 4):
+        _cases = [c for c in CASES[_tree] if c['world'] == _world]
+        if _cases:
+            CALLS[_tree, _world] = call(_world, _tree, MOD + 'scenario_parallel', cases=_cases)
 
 
 def _region(off, shape):
