@@ -315,6 +315,7 @@ def _reference_run(case, dtype):
         MTPLossAutoScaler.main_loss_backward_scale,
     )
     try:
+        _clear_metrics()
         config = model_config(case, dtype, reference=True)
         module = build_model(config, case).to(dtype)
         set_weights(module)
@@ -376,6 +377,11 @@ def _metrics(pg_collection):
 
 
 def _clear_metrics():
+    """Empty the MoE and MTP trackers: their entries outlive a model (dev's MTP tracker also
+    refuses a per-token case after a mean-loss one)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker = {}
     try:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     except ImportError:
@@ -494,6 +500,7 @@ def _parallel_run(ctx, case):
     )
     try:
         assert ps.get_data_parallel_world_size() == case['dp'], case
+        _clear_metrics()
         config = model_config(case, torch.float32, reference=False)
         module = build_model(config, case)
         set_weights(module)
