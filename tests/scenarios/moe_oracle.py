@@ -348,9 +348,8 @@ def _reference_run(case, dtype):
         res['metrics'] = _metrics(None)
         return res
     finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale, MTPLossAutoScaler.main_loss_backward_scale = (
-            saved
-        )
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
+        MTPLossAutoScaler.main_loss_backward_scale = saved[1]
         _clear_metrics()
         ps.destroy_model_parallel()
 
@@ -520,9 +519,7 @@ def _parallel_run(ctx, case):
         config.grad_scale_func = None
         config.timers = None
         dp_rank = ps.get_data_parallel_rank()
-        batches = [
-            microbatch(dp_rank * NUM_MICROBATCHES + m) for m in range(NUM_MICROBATCHES)
-        ]
+        batches = [microbatch(dp_rank * NUM_MICROBATCHES + m) for m in range(NUM_MICROBATCHES)]
 
         def forward_step(data_iterator, model):
             tokens, labels, mask = next(data_iterator)
@@ -554,9 +551,8 @@ def _parallel_run(ctx, case):
             'stage': ps.get_pipeline_model_parallel_rank(),
         }
     finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale, MTPLossAutoScaler.main_loss_backward_scale = (
-            saved
-        )
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
+        MTPLossAutoScaler.main_loss_backward_scale = saved[1]
         _clear_metrics()
         ps.destroy_model_parallel()
 
