@@ -49,7 +49,8 @@ SEQ_COUNT = 'moe-seq-aux-loss-token-count'  # 0035 (candidate 3, dev)
 MTP_DP = 'mtp-per-token-loss-dp-counts'  # 0019
 MTP_MICROBATCHES = 'mtp-per-token-loss-microbatch-counts'  # 0043 (candidate 8), not yet merged
 
-# name: (world, layout). Every layout of world 2 and 4 that the local spec runs without CP.
+# name: (world, layout). Every layout of world 2 and 4 that the local spec runs without CP; the
+# dense DP size is what TP x PP leaves (dp2ep2: dense DP 4, expert DP 2; ep4: expert DP 1).
 LAYOUTS = {
     'dp2': (2, {}),
     'tp2': (2, {'tp': 2}),
@@ -64,7 +65,7 @@ LAYOUTS = {
 }
 # Per layout: (per-token loss, padding mask, distributed optimizer, MTP); together they turn each
 # of the four on and off. Only the first two discriminate a candidate: the pristine arm runs
-# those (PRISTINE_CASES).
+# those (PRISTINE_VARIANTS).
 VARIANTS = {
     'pt1-pad1-do1': (True, True, True, False),
     'pt1-pad0-do0': (True, False, False, False),
