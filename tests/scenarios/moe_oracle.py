@@ -70,14 +70,15 @@ def objective_weights(per_token, main_count, router_count, step_count, dp, micro
     return 1.0 / (main_count * dp * microbatches), 1.0 / (dp * microbatches)
 
 
-def mtp_weight(per_token, mtp_count, mtp_step_count, dp, microbatches):
+def mtp_weight(per_token, mtp_count, mtp_step_count, step_count, dp, microbatches):
     """Weight of one microbatch's MTP term, ``MTP_SCALE / depth * sum(masked MTP token losses)
     / mtp_count`` (what upstream's ``process_mtp_loss`` attaches under the mean loss).
 
     Mean loss: the mean over microbatches and DP, as the main loss. Per-token: every MTP token
     weighs 1 / (the step's MTP tokens), summed over microbatches and DP (candidate 8; change
-    0043 ``mtp-per-token-loss-microbatch-counts`` may define it over the step's main-token count
-    instead: this function is the one place to change).
+    0043 ``mtp-per-token-loss-microbatch-counts`` may define it over the step's main-token count,
+    ``step_count``, instead: ``mtp_count / step_count``; this function is the one place to
+    change).
     """
     if per_token:
         return mtp_count / mtp_step_count
@@ -333,8 +334,9 @@ def _reference_run(case, dtype):
             )
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
             if case['mtp']:
+                mtp_count = float(_mtp_mask(mask).sum())
                 w_mtp = mtp_weight(
-                    case['per_token'], float(_mtp_mask(mask).sum()), mtp_step_count, dp, mbs
+                    case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs
                 )
                 MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
             out = _forward(module, case, tokens, labels, mask)
