@@ -164,12 +164,18 @@ REF_CASES = {}
 for _c in CASES[FORK] + CASES[PRISTINE]:
     REF_CASES.setdefault(_ref_key(_c), dict(_c, name=_ref_key(_c)))
 
-CALLS = {'ref': call(1, FORK, MOD + 'scenario_reference', cases=list(REF_CASES.values()))}
+# Extra seconds on the world's budget (180 s + 60 s a call): dozens of cases a call on a loaded
+# 2-core machine.
+CALLS = {
+    'ref': call(1, FORK, MOD + 'scenario_reference', timeout=240, cases=list(REF_CASES.values()))
+}
 for _tree in TREES:
     for _world in (2, 4):
         _cases = [c for c in CASES[_tree] if c['world'] == _world]
         if _cases:
-            CALLS[_tree, _world] = call(_world, _tree, MOD + 'scenario_parallel', cases=_cases)
+            CALLS[_tree, _world] = call(
+                _world, _tree, MOD + 'scenario_parallel', timeout=360, cases=_cases
+            )
 
 
 def _region(off, shape):
