@@ -234,6 +234,12 @@ def _compare(tree, case):
             if err > bound:
                 ratio = float((value * want).sum() / (want * want).sum().clamp(min=1e-300))
                 wrong[key, tuple(off[: len(off) - len(shape) + 1])] = (err, bound, ratio)
+        # The tokens per expert the update all-reduced: the one-process run's, exactly.
+        for router, total in got['counts'].items():
+            want = torch.tensor(ref['counts'][router], dtype=torch.float64)
+            total = torch.tensor(total, dtype=torch.float64)
+            if not torch.equal(total, want):
+                wrong['tokens_per_expert', router] = (float((total - want).abs().max()), 0.0, 0.0)
         # The expert-bias update: rate * sign(mean - count) of each router's tokens per expert
         # over the whole step (the one-process run's counts), on every rank that holds a router.
         for router, bias in got['bias'].items():

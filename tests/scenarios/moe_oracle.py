@@ -477,6 +477,41 @@ def _gather_distopt_shards(model):
             torch.distributed.all_gather(shards, local, group=group)
 
 
+@contextlib.contextmanager
+def _recording_bias_counts(out):
+    """Record the stacked tokens per expert that finalize_model_grads' expert-bias update
+    all-reduces (in place) into ``out``."""
+    import importlib
+
+    module = importlib.import_module('megatron.core.distributed.finalize_model_grads')
+    original = module.get_updated_expert_bias
+
+    def recording(tokens_per_expert, *args, **kwargs):
+        updated = original(tokens_per_expert, *args, **kwargs)
+        out.append(tokens_per_expert.detach().double().clone())
+        return updated
+
+    module.get_updated_expert_bias = recording
+    try:
+        yield
+    finally:
+        module.get_updated_expert_bias = original
+
+
+def _step(model, forward_step, batches):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=NUM_MICROBATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        forward_only=False,
+    )
+
+
 def _parallel_run(ctx, case):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
@@ -484,7 +519,6 @@ def _parallel_run(ctx, case):
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -535,21 +569,17 @@ def _parallel_run(ctx, case):
             return output, loss_func
 
         model.zero_grad_buffer()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=NUM_MICROBATCHES,
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-            forward_only=False,
-        )
+        reduced = []
+        with _recording_bias_counts(reduced):
+            _step(model, forward_step, batches)
         if case['distopt']:
             _gather_distopt_shards(model)
         grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
         return {
             'grads': grads_by_key(module, grads),
             'bias': {k: bias for k, (bias, _) in _router_state(module).items()},
+            # The tokens per expert the expert-bias update used (reduced over TP x DP x CP).
+            'counts': dict(zip(_router_state(module), reduced[0].tolist())) if reduced else {},
             'stage': ps.get_pipeline_model_parallel_rank(),
         }
     finally:
