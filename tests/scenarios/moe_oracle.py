@@ -287,6 +287,31 @@ def _routers(module):
     return [(n, m) for n, m in module.named_modules() if isinstance(m, TopKRouter)]
 
 
+def _routers_by_key(module):
+    """{'<decoder|mtp>:<layer number>': router} of the routers with an expert bias."""
+    out = {}
+    for name, router in _routers(module):
+        if router.expert_bias is not None:
+            where = 'mtp' if name.startswith('mtp.') else 'decoder'
+            out[f'{where}:{router.layer_number}'] = router
+    return out
+
+
+def _counting_hook(counts, key, valid):
+    """A forward hook adding the router's routing map [tokens, experts] over the valid tokens
+    (``valid[0]``: [tokens] in the router's order, sequence-major; None: all) to counts[key]."""
+
+    def hook(router, args, output):
+        routing_map = output[1]
+        assert routing_map.dtype == torch.bool and routing_map.shape[-1] == EXPERTS, output
+        if valid[0] is not None:
+            routing_map = routing_map[valid[0]]
+        total = routing_map.sum(0).double()
+        counts[key] = counts[key] + total if key in counts else total
+
+    return hook
+
+
 def _router_state(module):
     """{'<decoder|mtp>:<layer number>': (expert bias, tokens per expert)} of every router."""
     out = {}
@@ -326,7 +351,14 @@ def _reference_run(case, dtype):
         batches = [microbatch(i) for i in range(dp * mbs)]
         step_count = sum(float(m.sum()) for _, _, m in batches)
         mtp_step_count = sum(float(_mtp_mask(m).sum()) for _, _, m in batches)
+        counts = {}
+        valid = []
+        hooks = [
+            router.register_forward_hook(_counting_hook(counts, key, valid))
+            for key, router in _routers_by_key(module).items()
+        ]
         for tokens, labels, mask in batches:
+            valid[:] = [(mask != 0).t().reshape(-1) if case['pad'] else None]
             count = float(mask.sum())
             router_count = count if case['pad'] else float(mask.numel())
             w_main, w_aux = objective_weights(
@@ -343,9 +375,11 @@ def _reference_run(case, dtype):
             ((out * mask.to(out.dtype)).sum() * w_main).backward()
         grads = {p: p.grad for p in module.parameters() if p.grad is not None}
         res = {'grads': grads_by_key(module, grads)}
-        # The expert-bias update: the sign of (mean - count) of each router's tokens per expert
-        # over the whole step, times the update rate.
-        res['counts'] = {k: counts for k, (_, counts) in _router_state(module).items()}
+        # The tokens per expert of the step: each router's routing map over the valid tokens
+        # (all tokens without a padding mask), counted here, not by the router's own counter.
+        for hook in hooks:
+            hook.remove()
+        res['counts'] = {k: v.tolist() for k, v in counts.items()}
         res['bias0'] = bias0
         res['metrics'] = _metrics(None)
         return res
