@@ -1,0 +1,654 @@
+"""Issue 31's MoE gradient oracle: a small MoE GPT in every parallel layout against one process.
+
+The model is upstream's ``GPTModel`` with the local layer spec (``get_gpt_layer_local_spec`` with
+``num_experts``, no grouped GEMM): 2 layers, each an MoE layer of 4 local SwiGLU experts (top-2),
+a shared expert, no linear bias, dropout 0, float32 params; the router has an expert bias
+(sigmoid scores), a z-loss and the case's load-balancing losses; MTP depth 1 where the case
+asks for it. :func:`scenario_parallel` runs it through the real schedule
+(``get_forward_backward_func()``, 2 microbatches with uneven valid tokens), megatron DDP (the
+distributed optimizer on or off) and ``finalize_model_grads`` (the schedule's own call), then
+all-gathers each bucket's reduce-scattered shard (distributed optimizer) and returns every
+parameter's gradient under its global key and offset (``sharded_state_dict()`` built on the
+gradients), the expert-bias update and the MoE metrics the tracker would log.
+
+:func:`scenario_reference` (a world of one rank) computes the same model and global batch at
+TP = EP = PP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
+microbatch, with the weights of each term set by :func:`objective_weights` (main loss, aux
+losses) and :func:`mtp_weight` (the MTP term) instead of upstream's per-token rescales. Every
+weight is set from the global key of the parameter (:func:`_init_value`), so both runs start
+from the same numbers.
+"""
+
+import contextlib
+import hashlib
+
+import torch
+
+HIDDEN = 16
+HEADS = 4
+FFN = 32
+MOE_FFN = 16
+SHARED_FFN = 16
+EXPERTS = 4
+TOPK = 2
+VOCAB = 64
+SEQ = 8
+MBS = 2
+NUM_MICROBATCHES = 2
+LAYERS = 2
+SEED = 31310
+AUX_COEFF = {'aux_loss': 1e-1, 'seq_aux_loss': 2e-1, 'global_aux_loss': 3e-1}
+Z_COEFF = 1e-2
+MTP_SCALE = 0.3
+BIAS_RATE = 1e-2
+
+
+# ------------------------------------------------------------------------------------------
+# The objective (one place: the test's oracle is defined here).
+
+
+def objective_weights(per_token, main_count, router_count, step_count, dp, microbatches):
+    """Weights of one microbatch's terms in the step's objective (the one-process reference).
+
+    Args:
+        per_token: ``calculate_per_token_loss``.
+        main_count: the microbatch's valid tokens (its loss mask).
+        router_count: the tokens the microbatch's routers count (its valid tokens with a padding
+            mask, all its tokens without).
+        step_count: the step's valid tokens (all microbatches, all DP ranks).
+        dp, microbatches: the data-parallel size and the number of microbatches.
+
+    Returns:
+        (weight of the microbatch's summed token loss, weight of its aux losses and z-loss as
+        upstream's router computes them at TP 1 under the mean loss).
+    """
+    if per_token:
+        # Per-token: every valid token weighs 1 / step_count; an aux loss covers its router's
+        # tokens (upstream rescales it by that count before finalize divides by the step's).
+        return 1.0 / step_count, router_count / step_count
+    # Mean loss: mean over microbatches and DP of each microbatch's mean.
+    return 1.0 / (main_count * dp * microbatches), 1.0 / (dp * microbatches)
+
+
+def mtp_weight(per_token, mtp_count, mtp_step_count, step_count, dp, microbatches):
+    """Weight of one microbatch's MTP term, ``MTP_SCALE / depth * sum(masked MTP token losses)
+    / mtp_count`` (what upstream's ``process_mtp_loss`` attaches under the mean loss).
+
+    Mean loss: the mean over microbatches and DP, as the main loss. Per-token: the objective of
+    change 0043 ``mtp-per-token-loss-microbatch-counts`` (candidate 8): every MTP token weighs
+    1 / (the step's main-loss tokens, ``step_count``, summed over microbatches and DP), as a
+    main-loss token does. ``mtp_step_count`` (the step's MTP tokens) is the per-token mean that
+    no single pass can reach; pristine's per-microbatch ratio matches neither.
+    """
+    if per_token:
+        return mtp_count / step_count
+    return 1.0 / (dp * microbatches)
+
+
+# ------------------------------------------------------------------------------------------
+# Data.
+
+
+def microbatch(index):
+    """Global microbatch ``index`` (dp_rank * NUM_MICROBATCHES + m): tokens, labels, loss mask
+    ([MBS, SEQ]). Sequence 0 loses its last ``index + 1`` tokens and sequence 1 its token 2 when
+    ``index`` is odd, so every microbatch holds a different count of valid tokens."""
+    gen = torch.Generator().manual_seed(SEED + 100 + index)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
+    mask = torch.ones(MBS, SEQ)
+    mask[0, SEQ - 1 - index % (SEQ - 2) :] = 0
+    if index % 2:
+        mask[1, 2] = 0
+    return tokens, labels, mask
+
+
+def _mtp_valid(mask):
+    """The tokens an MTP router counts under a padding mask, in the router's order: upstream's
+    ``roll_tensor`` of the padding mask, whose cleared last position reads as not padded."""
+    valid = torch.roll(mask != 0, -1, dims=-1)
+    valid[:, -1] = True
+    return valid.t().reshape(-1)
+
+
+def _mtp_mask(mask):
+    """The loss mask rolled left by one with the last position cleared (upstream's roll_tensor
+    at CP 1): MTP depth 1 predicts token t + 2."""
+    rolled = torch.roll(mask, -1, dims=-1)
+    rolled[:, -1] = 0
+    return rolled
+
+
+# ------------------------------------------------------------------------------------------
+# The model.
+
+
+def model_config(case, dtype, reference):
+    """The TransformerConfig of ``case`` (TP = EP = PP = 1 for the reference)."""
+    import torch.nn.functional as F
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    lay = {} if reference else case['layout']
+    tp = lay.get('tp', 1)
+    types = list(case['lb'])
+    extra = {}
+    if types:
+        extra['moe_router_load_balancing_type'] = types if len(types) > 1 else types[0]
+        coeffs = [AUX_COEFF[t] for t in types]
+        extra['moe_aux_loss_coeff'] = coeffs if len(coeffs) > 1 else coeffs[0]
+    else:
+        extra['moe_router_load_balancing_type'] = 'none'
+    if case['z']:
+        extra['moe_z_loss_coeff'] = Z_COEFF
+    if case['mtp']:
+        extra.update(mtp_num_layers=1, mtp_loss_scaling_factor=MTP_SCALE)
+    return TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=lay.get('pp', 1),
+        expert_model_parallel_size=lay.get('ep', 1),
+        expert_tensor_parallel_size=lay.get('etp', tp),
+        sequence_parallel=tp > 1,
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=MOE_FFN,
+        moe_shared_expert_intermediate_size=SHARED_FFN,
+        moe_router_topk=TOPK,
+        moe_router_score_function='sigmoid',
+        moe_router_enable_expert_bias=case['bias'],
+        moe_router_bias_update_rate=BIAS_RATE,
+        moe_router_dtype='fp64' if dtype == torch.float64 else 'fp32',
+        moe_token_dispatcher_type='allgather',
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        calculate_per_token_loss=case['per_token'] and not reference,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        **extra,
+    )
+
+
+def build_model(config, case):
+    """The GPTModel of this rank's pipeline stage (untied embeddings; MTP on the last stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    mtp_spec = None
+    if case['mtp']:
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type='rope',
+        mtp_block_spec=mtp_spec,
+    )
+
+
+def _init_value(key, shape):
+    """The float64 value of the whole (global) tensor ``key``: seeded by the key."""
+    seed = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
+    gen = torch.Generator().manual_seed(seed)
+    value = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if key.endswith('expert_bias'):
+        return value * 0.05
+    if 'norm' in key:
+        return 1.0 + 0.1 * value
+    return value * 0.3
+
+
+def _sharded_tensors(sharded):
+    """The ShardedTensors of a sharded state dict, factories built (swiglu fc1: w and v)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = []
+    stack = [sharded]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, ShardedTensorFactory):
+            stack.append(item.build())
+        elif isinstance(item, ShardedTensor):
+            out.append(item)
+    return out
+
+
+def _region(sh):
+    """The slices of ``sh``'s data in its global tensor (prepended axes: one index each)."""
+    pre = sh.prepend_axis_num
+    offs = sh.global_offset
+    return tuple(slice(o, o + 1) for o in offs[:pre]) + tuple(
+        slice(o, o + n) for o, n in zip(offs[pre:], sh.data.shape)
+    )
+
+
+def _skip(key):
+    return 'tokens_per_expert' in key or key.endswith('ga_steps')
+
+
+def set_weights(module):
+    """Every parameter (and the expert bias) from its global key's value."""
+    with torch.no_grad():
+        for sh in _sharded_tensors(module.sharded_state_dict()):
+            if _skip(sh.key):
+                continue
+            value = _init_value(sh.key, tuple(sh.global_shape))[_region(sh)]
+            sh.data.copy_(value.reshape(sh.data.shape).to(sh.data.dtype))
+
+
+def grads_by_key(module, grads):
+    """[(key, global shape, offset, data shape, replica_id, values)] of the gradients ``grads``
+    ({param: tensor}), read through the module's own sharded state dict."""
+    saved = {}
+    for p, g in grads.items():
+        saved[p] = p.data
+        p.data = g.detach().to(p.dtype).view_as(p)
+    try:
+        out = []
+        for sh in _sharded_tensors(module.sharded_state_dict()):
+            if _skip(sh.key) or sh.key.endswith('expert_bias'):
+                continue
+            out.append(
+                (
+                    sh.key,
+                    list(sh.global_shape),
+                    list(sh.global_offset),
+                    list(sh.data.shape),
+                    list(sh.replica_id) if isinstance(sh.replica_id, tuple) else [sh.replica_id],
+                    sh.data.detach().double().flatten().tolist(),
+                )
+            )
+        return out
+    finally:
+        for p, data in saved.items():
+            p.data = data
+
+
+def _routers(module):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, TopKRouter)]
+
+
+def _routers_by_key(module):
+    """{'<decoder|mtp>:<layer number>': router} of the routers with an expert bias."""
+    out = {}
+    for name, router in _routers(module):
+        if router.expert_bias is not None:
+            where = 'mtp' if name.startswith('mtp.') else 'decoder'
+            out[f'{where}:{router.layer_number}'] = router
+    return out
+
+
+def _counting_hook(counts, key, valid):
+    """A forward hook adding the router's routing map [tokens, experts] over the valid tokens
+    (``valid[0]``: [tokens] in the router's order, sequence-major; None: all; ``valid[1]`` for
+    MTP routers: upstream rolls the padding mask with the input and clears the last position,
+    so the rolled-in last token routes as a valid one) to counts[key]."""
+
+    def hook(router, args, output):
+        routing_map = output[1]
+        assert routing_map.dtype == torch.bool and routing_map.shape[-1] == EXPERTS, output
+        if valid[0] is not None:
+            routing_map = routing_map[valid[1] if key.startswith('mtp') else valid[0]]
+        total = routing_map.sum(0).double()
+        counts[key] = counts[key] + total if key in counts else total
+
+    return hook
+
+
+def _router_state(module):
+    """{'<decoder|mtp>:<layer number>': (expert bias, tokens per expert)} of every router."""
+    out = {}
+    for name, router in _routers(module):
+        if router.expert_bias is None:
+            continue
+        where = 'mtp' if name.startswith('mtp.') else 'decoder'
+        out[f'{where}:{router.layer_number}'] = (
+            router.expert_bias.detach().double().tolist(),
+            router.local_tokens_per_expert.detach().double().tolist(),
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# The reference: one process, plain autograd.
+
+
+def _reference_run(case, dtype):
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    ps.initialize_model_parallel()
+    saved = (
+        MoEAuxLossAutoScaler.main_loss_backward_scale,
+        MTPLossAutoScaler.main_loss_backward_scale,
+    )
+    try:
+        _clear_metrics()
+        config = model_config(case, dtype, reference=True)
+        module = build_model(config, case).to(dtype)
+        set_weights(module)
+        bias0 = {k: bias for k, (bias, _) in _router_state(module).items()}
+        module.train()
+        dp, mbs = case['dp'], NUM_MICROBATCHES
+        batches = [microbatch(i) for i in range(dp * mbs)]
+        step_count = sum(float(m.sum()) for _, _, m in batches)
+        mtp_step_count = sum(float(_mtp_mask(m).sum()) for _, _, m in batches)
+        counts = {}
+        valid = []
+        hooks = [
+            router.register_forward_hook(_counting_hook(counts, key, valid))
+            for key, router in _routers_by_key(module).items()
+        ]
+        for tokens, labels, mask in batches:
+            valid[:] = [(mask != 0).t().reshape(-1), _mtp_valid(mask)] if case['pad'] else [None]
+            count = float(mask.sum())
+            router_count = count if case['pad'] else float(mask.numel())
+            w_main, w_aux = objective_weights(
+                case['per_token'], count, router_count, step_count, dp, mbs
+            )
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
+            if case['mtp']:
+                mtp_count = float(_mtp_mask(mask).sum())
+                w_mtp = mtp_weight(
+                    case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs
+                )
+                MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
+            out = _forward(module, case, tokens, labels, mask)
+            ((out * mask.to(out.dtype)).sum() * w_main).backward()
+        grads = {p: p.grad for p in module.parameters() if p.grad is not None}
+        res = {'grads': grads_by_key(module, grads)}
+        # The tokens per expert of the step: each router's routing map over the valid tokens
+        # (all tokens without a padding mask), counted here, not by the router's own counter.
+        for hook in hooks:
+            hook.remove()
+        res['counts'] = {k: v.tolist() for k, v in counts.items()}
+        res['bias0'] = bias0
+        res['metrics'] = _metrics(None)
+        return res
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
+        MTPLossAutoScaler.main_loss_backward_scale = saved[1]
+        _clear_metrics()
+        ps.destroy_model_parallel()
+
+
+def _forward(module, case, tokens, labels, mask):
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()
+    kwargs = {'labels': labels}
+    if case['mtp']:
+        kwargs['loss_mask'] = mask
+    if case['pad']:
+        kwargs['padding_mask'] = mask == 0
+    return module(tokens, position_ids, None, **kwargs)
+
+
+def _metrics(pg_collection):
+    """The tracker's values for every name it holds (summed over layers), as report() would
+    reduce them: None when the base has no tracker object (0.18.2: the aux-losses dict)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        return None
+    tracker = get_moe_metrics_tracker()
+    return {name: entry.values.double().tolist() for name, entry in tracker.metrics.items()}
+
+
+def _clear_metrics():
+    """Empty the MoE and MTP trackers: their entries outlive a model (dev's MTP tracker also
+    refuses a per-token case after a mean-loss one)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker = {}
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        return
+    get_moe_metrics_tracker().metrics.clear()
+
+
+@contextlib.contextmanager
+def _cpu_stand_ins():
+    """What the CPU ranks lack, stood in for the whole call:
+
+    - the CUDA RNG tracker's fork has no state: a no-op (dropout is 0);
+    - torch.compile (the router's jit_fuser): eager, as tests/scenarios/moe_candidates.py
+      (the CUDA-on-CPU redirect does not run under dynamo; compiling also costs most of a call);
+    - apex's FusedLayerNorm, which the local spec takes when apex is installed and which marks
+      its params ``sequence_parallel`` (so that finalize_model_grads sums their grads over TP):
+      the local spec's fallback, torch's LayerNorm (``WrappedTorchNorm``), refuses sequence
+      parallelism; it is built without it and its params get the same mark.
+    """
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    compiled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    original = WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            setattr(param, 'sequence_parallel', sequence_parallel)
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = original
+        torch._dynamo.config.disable = compiled
+        del tracker.fork
+
+
+def scenario_reference(ctx, cases):
+    """Per case: the float64 and float32 one-process runs (a world of one rank)."""
+    with _cpu_stand_ins():
+        return _reference_cases(cases)
+
+
+def _reference_cases(cases):
+    out = []
+    for case in cases:
+        res = {'name': case['name']}
+        try:
+            r64 = _reference_run(case, torch.float64)
+            r32 = _reference_run(case, torch.float32)
+            res['ref64'] = r64['grads']
+            res['ref32_flat'] = [v for *_, v in r32['grads']]
+            res['counts'] = r64['counts']
+            res['bias0'] = r64['bias0']
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            import traceback
+
+            traceback.print_exc()
+            res['error'] = f'{type(exc).__name__}: {exc}'[:400]
+        out.append(res)
+    return {'cases': out}
+
+
+# ------------------------------------------------------------------------------------------
+# The parallel run.
+
+
+def _gather_distopt_shards(model):
+    """All-gather each bucket's reduce-scattered grad shard over its DP group, so that every
+    main_grad holds the whole reduced gradient (as without the distributed optimizer)."""
+    groups = list(model.bucket_groups) + list(getattr(model, 'expert_parallel_bucket_groups', []))
+    for bucket_group in groups:
+        group = getattr(bucket_group, 'intra_distributed_optimizer_instance_group', None)
+        if group is None:
+            group = bucket_group.data_parallel_group
+        size = torch.distributed.get_world_size(group)
+        rank = torch.distributed.get_rank(group)
+        for bucket in bucket_group.buckets:
+            shards = list(bucket.grad_data.view(size, -1).unbind(0))
+            local = shards[rank].clone()
+            torch.distributed.all_gather(shards, local, group=group)
+
+
+@contextlib.contextmanager
+def _recording_bias_counts(out):
+    """Record the stacked tokens per expert that finalize_model_grads' expert-bias update
+    all-reduces (in place) into ``out``."""
+    import importlib
+
+    module = importlib.import_module('megatron.core.distributed.finalize_model_grads')
+    original = module.get_updated_expert_bias
+
+    def recording(tokens_per_expert, *args, **kwargs):
+        updated = original(tokens_per_expert, *args, **kwargs)
+        out.append(tokens_per_expert.detach().double().clone())
+        return updated
+
+    module.get_updated_expert_bias = recording
+    try:
+        yield
+    finally:
+        module.get_updated_expert_bias = original
+
+
+def _step(model, forward_step, batches):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=NUM_MICROBATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        forward_only=False,
+    )
+
+
+def _parallel_run(ctx, case):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    lay = case['layout']
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=lay.get('tp', 1),
+        pipeline_model_parallel_size=lay.get('pp', 1),
+        expert_model_parallel_size=lay.get('ep', 1),
+        expert_tensor_parallel_size=lay.get('etp'),
+    )
+    saved = (
+        MoEAuxLossAutoScaler.main_loss_backward_scale,
+        MTPLossAutoScaler.main_loss_backward_scale,
+    )
+    try:
+        assert ps.get_data_parallel_world_size() == case['dp'], case
+        _clear_metrics()
+        config = model_config(case, torch.float32, reference=False)
+        module = build_model(config, case)
+        set_weights(module)
+        model = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=case['distopt'],
+                overlap_grad_reduce=False,
+            ),
+            module,
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = model.no_sync
+        config.grad_sync_func = None
+        config.param_sync_func = None
+        config.grad_scale_func = None
+        config.timers = None
+        dp_rank = ps.get_data_parallel_rank()
+        batches = [microbatch(dp_rank * NUM_MICROBATCHES + m) for m in range(NUM_MICROBATCHES)]
+
+        def forward_step(data_iterator, model):
+            tokens, labels, mask = next(data_iterator)
+            output = _forward(model, case, tokens, labels, mask)
+
+            def loss_func(output_tensor):
+                loss = (output_tensor.float() * mask).sum()
+                num_tokens = mask.sum().to(torch.int)
+                return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), mask.sum()])}
+
+            return output, loss_func
+
+        model.zero_grad_buffer()
+        reduced = []
+        with _recording_bias_counts(reduced):
+            _step(model, forward_step, batches)
+        if case['distopt']:
+            _gather_distopt_shards(model)
+        grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
+        return {
+            'grads': grads_by_key(module, grads),
+            'bias': {k: bias for k, (bias, _) in _router_state(module).items()},
+            # The tokens per expert the expert-bias update used (reduced over TP x DP x CP).
+            'counts': dict(zip(_router_state(module), reduced[0].tolist())) if reduced else {},
+            'stage': ps.get_pipeline_model_parallel_rank(),
+        }
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
+        MTPLossAutoScaler.main_loss_backward_scale = saved[1]
+        _clear_metrics()
+        ps.destroy_model_parallel()
+
+
+def scenario_parallel(ctx, cases):
+    """Per case: this rank's gradients (global keys) after the step, or the error."""
+    with _cpu_stand_ins():
+        return _parallel_cases(ctx, cases)
+
+
+def _parallel_cases(ctx, cases):
+    out = []
+    for case in cases:
+        res = {'name': case['name']}
+        try:
+            res.update(_parallel_run(ctx, case))
+        except Exception as exc:  # noqa: BLE001 - upstream's error is the result
+            import traceback
+
+            traceback.print_exc()
+            res['error'] = f'{type(exc).__name__}: {exc}'[:400]
+        out.append(res)
+    return {'cases': out}
