@@ -24,6 +24,7 @@ import torch
 
 from tests.harness import call
 from tests.harness.bases import BASE, CHANGES, FORK, PRISTINE
+from tests.scenarios import moe_oracle as oracle
 
 MOD = 'tests.scenarios.moe_oracle:'
 BIAS_RATE = 1e-2  # tests/scenarios/moe_oracle.py's
@@ -48,6 +49,7 @@ VALID_COUNT = 'moe-aux-loss-valid-token-count'  # 0034 (candidate 1)
 SEQ_COUNT = 'moe-seq-aux-loss-token-count'  # 0035 (candidate 3, dev)
 MTP_DP = 'mtp-per-token-loss-dp-counts'  # 0019
 MTP_MICROBATCHES = 'mtp-per-token-loss-microbatch-counts'  # 0043 (candidate 8)
+SP_ROLL = 'mtp-padding-mask-sequence-parallel-roll'  # 0044 (found by this oracle)
 
 # name: (world, layout). Every layout of world 2 and 4 that the local spec runs without CP; the
 # dense DP size is what TP x PP leaves (dp2ep2: dense DP 4, expert DP 2; ep4: expert DP 1).
@@ -72,8 +74,12 @@ VARIANTS = {
     'pt0-pad1-do0': (False, True, False, False),
     'pt0-pad0-do1-mtp': (False, False, True, True),
     'pt1-pad1-do0-mtp': (True, True, False, True),
+    'pt0-pad1-do0-mtp': (False, True, False, True),
 }
-PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0')
+PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
+# The mean-loss MTP case with a padding mask pins 0044 (the MTP layer rolls the padding mask of
+# its sequence-parallel chunk): it runs where TP > 1 only.
+TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
 
 
 def _case(layout_name, variant, bias=True):
@@ -117,7 +123,27 @@ PAD_UNSUPPORTED = ('tp2pp2',)
 
 
 def _variants(layout_name, variants):
-    return [v for v in variants if not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)]
+    tp = LAYOUTS[layout_name][1].get('tp', 1)
+    return [
+        v
+        for v in variants
+        if not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
+        and not (v in TP_ONLY_VARIANTS and tp == 1)
+    ]
+
+
+def _padded_at_chunk_start(case):
+    """True when a microbatch of the case's global batch is padded at the first position of a
+    sequence-parallel chunk other than the first: there the MTP layer's roll of its own chunk of
+    the padding mask reads the position before it as a valid token, the sequence's roll as padded.
+    """
+    tp = case['layout'].get('tp', 1)
+    starts = [k * oracle.SEQ // tp for k in range(1, tp)]
+    for index in range(case['dp'] * oracle.NUM_MICROBATCHES):
+        _, _, mask = oracle.microbatch(index)
+        if starts and bool((mask[:, starts] == 0).any()):
+            return True
+    return False
 
 
 CASES = {FORK: [], PRISTINE: []}
@@ -154,6 +180,9 @@ def _breaks(tree, case):
             out.append('8 MTP per-token over microbatches')
         if case['mtp'] and case['dp'] > 1 and not _fixed(tree, MTP_DP):
             out.append('0019 MTP per-token over DP')
+    sp_roll_broken = _state(SP_ROLL) is not None and not _fixed(tree, SP_ROLL)
+    if case['mtp'] and case['pad'] and sp_roll_broken and _padded_at_chunk_start(case):
+        out.append('0044 MTP rolls the padding mask of its sequence-parallel chunk')
     return out
 
 

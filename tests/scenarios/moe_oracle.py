@@ -9,7 +9,7 @@ asks for it. :func:`scenario_parallel` runs it through the real schedule
 distributed optimizer on or off) and ``finalize_model_grads`` (the schedule's own call), then
 all-gathers each bucket's reduce-scattered shard (distributed optimizer) and returns every
 parameter's gradient under its global key and offset (``sharded_state_dict()`` built on the
-gradients), the expert-bias update and the MoE metrics the tracker would log.
+gradients) and the expert-bias update with the tokens per expert it used.
 
 :func:`scenario_reference` (a world of one rank) computes the same model and global batch at
 TP = EP = PP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
@@ -391,7 +391,6 @@ def _reference_run(case, dtype):
             hook.remove()
         res['counts'] = {k: v.tolist() for k, v in counts.items()}
         res['bias0'] = bias0
-        res['metrics'] = _metrics(None)
         return res
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
@@ -408,17 +407,6 @@ def _forward(module, case, tokens, labels, mask):
     if case['pad']:
         kwargs['padding_mask'] = mask == 0
     return module(tokens, position_ids, None, **kwargs)
-
-
-def _metrics(pg_collection):
-    """The tracker's values for every name it holds (summed over layers), as report() would
-    reduce them: None when the base has no tracker object (0.18.2: the aux-losses dict)."""
-    try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    except ImportError:
-        return None
-    tracker = get_moe_metrics_tracker()
-    return {name: entry.values.double().tolist() for name, entry in tracker.metrics.items()}
 
 
 def _clear_metrics():
