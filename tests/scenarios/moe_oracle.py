@@ -103,11 +103,12 @@ def microbatch(index):
     return tokens, labels, mask
 
 
-def _mtp_valid(mask):
-    """The tokens an MTP router counts under a padding mask, in the router's order: upstream's
-    ``roll_tensor`` of the padding mask, whose cleared last position reads as not padded."""
+def _mtp_valid(mask, last_padded):
+    """The tokens an MTP router counts under a padding mask, in the router's order: the padding
+    mask rolled with the input over the whole sequence; the rolled-in last position reads as
+    padded where the base's roll fills a padding flag (dev), as valid where it fills 0."""
     valid = torch.roll(mask != 0, -1, dims=-1)
-    valid[:, -1] = True
+    valid[:, -1] = not last_padded
     return valid.t().reshape(-1)
 
 
@@ -368,7 +369,11 @@ def _reference_run(case, dtype):
             for key, router in _routers_by_key(module).items()
         ]
         for tokens, labels, mask in batches:
-            valid[:] = [(mask != 0).t().reshape(-1), _mtp_valid(mask)] if case['pad'] else [None]
+            valid[:] = (
+                [(mask != 0).t().reshape(-1), _mtp_valid(mask, case['mtp_last_padded'])]
+                if case['pad']
+                else [None]
+            )
             count = float(mask.sum())
             router_count = count if case['pad'] else float(mask.numel())
             w_main, w_aux = objective_weights(
