@@ -341,67 +341,83 @@ def _router_state(module):
 # The reference: one process, plain autograd.
 
 
-def _reference_run(case, dtype):
-    from megatron.core import parallel_state as ps
+@contextlib.contextmanager
+def _upstream_state():
+    """Empties the MoE and MTP trackers before and after, and restores the aux-loss and MTP
+    loss scales (class attributes that outlive a model) after."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    ps.initialize_model_parallel()
     saved = (
         MoEAuxLossAutoScaler.main_loss_backward_scale,
         MTPLossAutoScaler.main_loss_backward_scale,
     )
     try:
         _clear_metrics()
-        config = model_config(case, dtype, reference=True)
-        module = build_model(config, case).to(dtype)
-        set_weights(module)
-        bias0 = {k: bias for k, (bias, _) in _router_state(module).items()}
-        module.train()
-        dp, mbs = case['dp'], NUM_MICROBATCHES
-        batches = [microbatch(i) for i in range(dp * mbs)]
-        step_count = sum(float(m.sum()) for _, _, m in batches)
-        mtp_step_count = sum(float(_mtp_mask(m).sum()) for _, _, m in batches)
-        counts = {}
-        valid = []
-        hooks = [
-            router.register_forward_hook(_counting_hook(counts, key, valid))
-            for key, router in _routers_by_key(module).items()
-        ]
-        for tokens, labels, mask in batches:
-            valid[:] = (
-                [(mask != 0).t().reshape(-1), _mtp_valid(mask, case['mtp_last_padded'])]
-                if case['pad']
-                else [None]
-            )
-            count = float(mask.sum())
-            router_count = count if case['pad'] else float(mask.numel())
-            w_main, w_aux = objective_weights(
-                case['per_token'], count, router_count, step_count, dp, mbs
-            )
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
-            if case['mtp']:
-                mtp_count = float(_mtp_mask(mask).sum())
-                w_mtp = mtp_weight(
-                    case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs
-                )
-                MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
-            out = _forward(module, case, tokens, labels, mask)
-            ((out * mask.to(out.dtype)).sum() * w_main).backward()
-        grads = {p: p.grad for p in module.parameters() if p.grad is not None}
-        res = {'grads': grads_by_key(module, grads)}
-        # The tokens per expert of the step: each router's routing map over the valid tokens
-        # (all tokens without a padding mask), counted here, not by the router's own counter.
-        for hook in hooks:
-            hook.remove()
-        res['counts'] = {k: v.tolist() for k, v in counts.items()}
-        res['bias0'] = bias0
-        return res
+        yield
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
         MTPLossAutoScaler.main_loss_backward_scale = saved[1]
         _clear_metrics()
+
+
+def _reference_run(case, dtype):
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    try:
+        with _upstream_state():
+            return _reference_step(case, dtype)
+    finally:
         ps.destroy_model_parallel()
+
+
+def _reference_step(case, dtype):
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    config = model_config(case, dtype, reference=True)
+    module = build_model(config, case).to(dtype)
+    set_weights(module)
+    bias0 = {k: bias for k, (bias, _) in _router_state(module).items()}
+    module.train()
+    dp, mbs = case['dp'], NUM_MICROBATCHES
+    batches = [microbatch(i) for i in range(dp * mbs)]
+    step_count = sum(float(m.sum()) for _, _, m in batches)
+    mtp_step_count = sum(float(_mtp_mask(m).sum()) for _, _, m in batches)
+    counts = {}
+    valid = []
+    hooks = [
+        router.register_forward_hook(_counting_hook(counts, key, valid))
+        for key, router in _routers_by_key(module).items()
+    ]
+    for tokens, labels, mask in batches:
+        valid[:] = (
+            [(mask != 0).t().reshape(-1), _mtp_valid(mask, case['mtp_last_padded'])]
+            if case['pad']
+            else [None]
+        )
+        count = float(mask.sum())
+        router_count = count if case['pad'] else float(mask.numel())
+        w_main, w_aux = objective_weights(
+            case['per_token'], count, router_count, step_count, dp, mbs
+        )
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
+        if case['mtp']:
+            mtp_count = float(_mtp_mask(mask).sum())
+            w_mtp = mtp_weight(case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs)
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
+        out = _forward(module, case, tokens, labels, mask)
+        ((out * mask.to(out.dtype)).sum() * w_main).backward()
+    grads = {p: p.grad for p in module.parameters() if p.grad is not None}
+    res = {'grads': grads_by_key(module, grads)}
+    # The tokens per expert of the step: each router's routing map over the valid tokens
+    # (all tokens without a padding mask), counted here, not by the router's own counter.
+    for hook in hooks:
+        hook.remove()
+    res['counts'] = {k: v.tolist() for k, v in counts.items()}
+    res['bias0'] = bias0
+    return res
 
 
 def _forward(module, case, tokens, labels, mask):
@@ -551,13 +567,6 @@ def _step(model, forward_step, batches):
 
 def _parallel_run(ctx, case):
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     lay = case['layout']
     ps.initialize_model_parallel(
@@ -566,64 +575,68 @@ def _parallel_run(ctx, case):
         expert_model_parallel_size=lay.get('ep', 1),
         expert_tensor_parallel_size=lay.get('etp'),
     )
-    saved = (
-        MoEAuxLossAutoScaler.main_loss_backward_scale,
-        MTPLossAutoScaler.main_loss_backward_scale,
-    )
     try:
-        assert ps.get_data_parallel_world_size() == case['dp'], case
-        _clear_metrics()
-        config = model_config(case, torch.float32, reference=False)
-        module = build_model(config, case)
-        set_weights(module)
-        model = DistributedDataParallel(
-            config,
-            DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                use_distributed_optimizer=case['distopt'],
-                overlap_grad_reduce=False,
-            ),
-            module,
-        )
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = model.no_sync
-        config.grad_sync_func = None
-        config.param_sync_func = None
-        config.grad_scale_func = None
-        config.timers = None
-        dp_rank = ps.get_data_parallel_rank()
-        batches = [microbatch(dp_rank * NUM_MICROBATCHES + m) for m in range(NUM_MICROBATCHES)]
-
-        def forward_step(data_iterator, model):
-            tokens, labels, mask = next(data_iterator)
-            output = _forward(model, case, tokens, labels, mask)
-
-            def loss_func(output_tensor):
-                loss = (output_tensor.float() * mask).sum()
-                num_tokens = mask.sum().to(torch.int)
-                return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), mask.sum()])}
-
-            return output, loss_func
-
-        model.zero_grad_buffer()
-        reduced = []
-        with _recording_bias_counts(reduced):
-            _step(model, forward_step, batches)
-        if case['distopt']:
-            _gather_distopt_shards(model)
-        grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
-        return {
-            'grads': grads_by_key(module, grads),
-            'bias': {k: bias for k, (bias, _) in _router_state(module).items()},
-            # The tokens per expert the expert-bias update used (reduced over TP x DP x CP).
-            'counts': dict(zip(_router_state(module), reduced[0].tolist())) if reduced else {},
-            'stage': ps.get_pipeline_model_parallel_rank(),
-        }
+        with _upstream_state():
+            assert ps.get_data_parallel_world_size() == case['dp'], case
+            return _parallel_step(case)
     finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = saved[0]
-        MTPLossAutoScaler.main_loss_backward_scale = saved[1]
-        _clear_metrics()
         ps.destroy_model_parallel()
+
+
+def _parallel_step(case):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    config = model_config(case, torch.float32, reference=False)
+    module = build_model(config, case)
+    set_weights(module)
+    model = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=case['distopt'],
+            overlap_grad_reduce=False,
+        ),
+        module,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    config.grad_sync_func = None
+    config.param_sync_func = None
+    config.grad_scale_func = None
+    config.timers = None
+    dp_rank = ps.get_data_parallel_rank()
+    batches = [microbatch(dp_rank * NUM_MICROBATCHES + m) for m in range(NUM_MICROBATCHES)]
+
+    def forward_step(data_iterator, model):
+        tokens, labels, mask = next(data_iterator)
+        output = _forward(model, case, tokens, labels, mask)
+
+        def loss_func(output_tensor):
+            loss = (output_tensor.float() * mask).sum()
+            num_tokens = mask.sum().to(torch.int)
+            return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), mask.sum()])}
+
+        return output, loss_func
+
+    model.zero_grad_buffer()
+    reduced = []
+    with _recording_bias_counts(reduced):
+        _step(model, forward_step, batches)
+    if case['distopt']:
+        _gather_distopt_shards(model)
+    grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
+    return {
+        'grads': grads_by_key(module, grads),
+        'bias': {k: bias for k, (bias, _) in _router_state(module).items()},
+        # The tokens per expert the expert-bias update used (reduced over TP x DP x CP).
+        'counts': dict(zip(_router_state(module), reduced[0].tolist())) if reduced else {},
+        'stage': ps.get_pipeline_model_parallel_rank(),
+    }
 
 
 def scenario_parallel(ctx, cases):
