@@ -18,23 +18,13 @@ import pytest
 import torch
 
 from tests.harness import call, tiers
-from tests.harness.bases import BASE, CHANGES, FORK, PRISTINE
+from tests.harness.bases import BASE, FORK, PRISTINE
+from tests.harness.bases import change_state as _state
+from tests.harness.bases import tree_has_fix as _fixed
 
 MOD = 'tests.scenarios.moe_candidates:'
 TREES = (FORK, PRISTINE)
 SEQ, BSZ = 8, 2
-
-
-def _state(slug):
-    """'carried', 'upstream' or None (the base lacks it) for a change of patches/changes.toml."""
-    state = CHANGES.get(slug, {}).get('bases', {}).get(BASE)
-    return 'upstream' if isinstance(state, dict) else state
-
-
-def _fixed(tree, slug):
-    """True when ``tree`` has ``slug``'s fix: upstream on this base, or carried and the fork."""
-    state = _state(slug)
-    return state == 'upstream' or (state == 'carried' and tree == FORK)
 
 
 AUX_TP = 'moe-aux-loss-tp-scaling'  # 0030, backport of PR 5047

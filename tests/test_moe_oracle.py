@@ -23,23 +23,14 @@ import pytest
 import torch
 
 from tests.harness import call
-from tests.harness.bases import BASE, CHANGES, FORK, PRISTINE
+from tests.harness.bases import BASE, FORK, PRISTINE
+from tests.harness.bases import change_state as _state
+from tests.harness.bases import tree_has_fix as _fixed
 from tests.scenarios import moe_oracle as oracle
 
 MOD = 'tests.scenarios.moe_oracle:'
 BIAS_RATE = 1e-2  # tests/scenarios/moe_oracle.py's
 TREES = (FORK, PRISTINE)
-
-
-def _state(slug):
-    state = CHANGES.get(slug, {}).get('bases', {}).get(BASE)
-    return 'upstream' if isinstance(state, dict) else state
-
-
-def _fixed(tree, slug):
-    """True when ``tree`` has ``slug``'s fix: upstream on this base, or carried and the fork."""
-    state = _state(slug)
-    return state == 'upstream' or (state == 'carried' and tree == FORK)
 
 
 AUX_TP = 'moe-aux-loss-tp-scaling'  # 0030 (candidate 2)

@@ -63,6 +63,18 @@ def carries(change, base=None):
     return CHANGES.get(change, {}).get('bases', {}).get(base or BASE) == 'carried'
 
 
+def change_state(change, base=None):
+    """'carried', 'upstream' or None (``base``, default the selected one, cannot take it)."""
+    state = CHANGES.get(change, {}).get('bases', {}).get(base or BASE)
+    return 'upstream' if isinstance(state, dict) else state
+
+
+def tree_has_fix(tree, change, base=None):
+    """True when ``tree`` has ``change``'s fix: upstream on the base, or carried and the fork."""
+    state = change_state(change, base)
+    return state == 'upstream' or (state == 'carried' and tree == FORK)
+
+
 def series_entries(base):
     """The entries of ``patches/<base>/series``, in order (``fork/0001-x.patch``, ...)."""
     return _series.read_series(WORKSPACE.patch_dir(base))
