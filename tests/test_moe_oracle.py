@@ -41,6 +41,10 @@ SEQ_COUNT = 'moe-seq-aux-loss-token-count'  # 0035 (candidate 3, dev)
 MTP_DP = 'mtp-per-token-loss-dp-counts'  # 0019
 MTP_MICROBATCHES = 'mtp-per-token-loss-microbatch-counts'  # 0043 (candidate 8)
 SP_ROLL = 'mtp-padding-mask-sequence-parallel-roll'  # 0044 (found by this oracle)
+MLP_BIAS = 'moe-expert-bias-out-of-place'  # 0033 (candidate 6)
+METRICS_PP = 'moe-metrics-pp-names'  # 0036 (candidate 5)
+Z_METRIC = 'moe-z-loss-metric-tp-average'  # 0046 (found by this oracle's metrics)
+Z_VALID = 'moe-z-loss-valid-token-mean'  # 0047 (found by this oracle's metrics)
 
 # name: (world, layout). Every layout of world 2 and 4 that the local spec runs without CP; the
 # dense DP size is what TP x PP leaves (dp2ep2: dense DP 4, expert DP 2; ep4: expert DP 1).
@@ -73,7 +77,28 @@ PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
 TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
 
 
-def _case(layout_name, variant, bias=True):
+# Model variants on some layouts (name suffix: keyword of the case): linear biases in every
+# linear layer (candidate 6: the MoE layer at EP = ETP = 1 adds its bias in place on a view) and
+# a dense first layer (candidate 5: under PP its stage records no MoE metric; world 2 only).
+MODEL_VARIANTS = {'lbias': 'linear_bias', 'dense1': 'dense_first'}
+MODEL_CASES = {
+    FORK: [
+        ('dp2', 'pt1-pad1-do1', 'lbias'),
+        ('pp2', 'pt0-pad0-do1-mtp', 'lbias'),
+        ('ep2', 'pt1-pad1-do1', 'lbias'),
+        ('tp2ep2etp1', 'pt1-pad0-do0', 'lbias'),
+        ('pp2', 'pt0-pad1-do0', 'dense1'),
+        ('dp2', 'pt0-pad0-do1-mtp', 'dense1'),
+    ],
+    # Only where every rank raises at the same point, or the PP report times out (its own group):
+    # a rank that raises alone leaves its peers waiting until the world's budget.
+    PRISTINE: [('dp2', 'pt1-pad0-do0', 'lbias'), ('pp2', 'pt1-pad0-do0', 'dense1')],
+}
+# Candidate 8 on pristine (no 0043): per-token MTP in a world-2 and a world-4 layout.
+PRISTINE_MTP_CASES = [('dp2', 'pt1-pad1-do0-mtp'), ('ep2pp2', 'pt1-pad1-do0-mtp')]
+
+
+def _case(layout_name, variant, bias=True, model=None):
     world, layout = LAYOUTS[layout_name]
     per_token, pad, distopt, mtp = VARIANTS[variant]
     tp, pp = layout.get('tp', 1), layout.get('pp', 1)
@@ -83,16 +108,14 @@ def _case(layout_name, variant, bias=True):
         # The global aux loss averages the counts over the DP ranks' microbatches: the one-process
         # reference runs microbatch by microbatch, so it matches only where DP is 1.
         lb.append('global_aux_loss')
-    # Under the mean loss with a padding mask the z-loss of each TP rank is its own mean (the
-    # mean of per-rank means: tests/test_moe_candidates.py's z-pt0-pad1, not a candidate).
-    z = not (pad and not per_token and tp > 1)
+    suffix = ('' if bias else '-nobias') + (f'-{model}' if model else '')
     return dict(
-        name=f'{layout_name}-{variant}' + ('' if bias else '-nobias'),
+        name=f'{layout_name}-{variant}{suffix}',
         world=world,
         layout=layout,
         dp=dp,
         lb=lb,
-        z=z,
+        z=True,
         mtp=mtp,
         per_token=per_token,
         pad=pad,
@@ -101,6 +124,8 @@ def _case(layout_name, variant, bias=True):
         # What MTP's roll of the padding mask puts in the last position: dev fills a padding
         # flag (multi_token_prediction.py's fill per field), the releases' roll_tensor fills 0.
         mtp_last_padded=BASE == 'dev',
+        linear_bias=model == 'lbias',
+        dense_first=model == 'dense1',
     )
 
 
@@ -153,6 +178,10 @@ for _lay in LAYOUTS:
     CASES[FORK] += [_case(_lay, _var) for _var in _variants(_lay, VARIANTS)]
     for _var in _variants(_lay, PRISTINE_VARIANTS):
         CASES[PRISTINE].append(_case(_lay, _var, bias=not (BIAS_PAD_BROKEN and VARIANTS[_var][1])))
+for _tree in TREES:
+    CASES[_tree] += [_case(*_args, model=_model) for *_args, _model in MODEL_CASES[_tree]]
+for _lay, _var in PRISTINE_MTP_CASES:
+    CASES[PRISTINE].append(_case(_lay, _var, bias=not (BIAS_PAD_BROKEN and VARIANTS[_var][1])))
 if BIAS_PAD_BROKEN:
     CASES[PRISTINE].append(_case('dp2', 'pt1-pad1-do1'))
 
@@ -160,6 +189,7 @@ if BIAS_PAD_BROKEN:
 def _ref_key(case):
     """The reference depends on the model and the global batch, not on the layout."""
     keep = ('dp', 'lb', 'z', 'mtp', 'per_token', 'pad', 'bias', 'mtp_last_padded')
+    keep += ('linear_bias', 'dense_first')
     return '-'.join(f'{k}={case[k]}' for k in keep)
 
 
@@ -167,7 +197,17 @@ def _breaks(tree, case):
     """The candidates of issue 31 (and earlier MoE changes) that ``case`` exercises and ``tree``
     lacks the fix of, from the change records."""
     tp = case['layout'].get('tp', 1)
+    ep, pp = case['layout'].get('ep', 1), case['layout'].get('pp', 1)
     out = []
+    if case['linear_bias'] and ep == 1 and case['layout'].get('etp', tp) == 1:
+        if not _fixed(tree, MLP_BIAS):
+            out.append('6 MoE linear biases at EP = ETP = 1')
+    if case['dense_first'] and pp > 1 and not _fixed(tree, METRICS_PP):
+        out.append('5 metrics under PP with a stage without MoE layers')
+    if case['z'] and tp > 1 and not _fixed(tree, Z_METRIC):
+        out.append('0046 the logged z-loss is the TP rank\'s own')
+    if case['z'] and case['pad'] and tp > 1 and not _fixed(tree, Z_VALID):
+        out.append('0047 z-loss: the mean of the TP ranks\' means')
     if case['pad'] and case['bias'] and not _fixed(tree, BIAS_PAD):
         out.append('4 expert-bias counts with a padding mask')
     if case['per_token']:
@@ -265,6 +305,7 @@ def _compare(tree, case):
             if err > bound:
                 ratio = float((value * want).sum() / (want * want).sum().clamp(min=1e-300))
                 wrong[key, tuple(off[: len(off) - len(shape) + 1])] = (err, bound, ratio)
+        _compare_metrics(got['metrics'], ref, wrong)
         # The tokens per expert the update all-reduced: the one-process run's, exactly.
         for router, total in got['counts'].items():
             want = torch.tensor(ref['counts'][router], dtype=torch.float64)
@@ -282,6 +323,21 @@ def _compare(tree, case):
             if err > 4 * EPS * (1 + float(before.abs().max())):
                 wrong['expert_bias', router] = (err, 0.0, (delta / BIAS_RATE).tolist())
     return 'grads', wrong
+
+
+def _compare_metrics(got, ref, wrong):
+    """The MoE metrics the tracker logs (the mean over layers and each layer's value) against
+    the one-process run's; bound as for a gradient (the float32-vs-float64 distance)."""
+    if 'error' in got:
+        wrong['metrics', 'report'] = (got['error'], 0.0, 0.0)
+        return
+    if set(got) != set(ref['metrics64']):
+        wrong['metrics', 'names'] = (sorted(set(got) ^ set(ref['metrics64'])), 0.0, 0.0)
+        return
+    for name, want in ref['metrics64'].items():
+        bound = 8 * abs(ref['metrics32'][name] - want) + 16 * EPS * abs(want)
+        if abs(got[name] - want) > bound:
+            wrong['metrics', name] = (abs(got[name] - want), bound, got[name] / want if want else 0)
 
 
 def _selected(tree, world):

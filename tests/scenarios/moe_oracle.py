@@ -158,7 +158,8 @@ def model_config(case, dtype, reference):
         sequence_parallel=tp > 1,
         num_moe_experts=EXPERTS,
         moe_ffn_hidden_size=MOE_FFN,
-        moe_shared_expert_intermediate_size=SHARED_FFN,
+        # Upstream's shared expert refuses linear biases: the biased variant runs without it.
+        moe_shared_expert_intermediate_size=None if case.get('linear_bias') else SHARED_FFN,
         moe_router_topk=TOPK,
         moe_router_score_function='sigmoid',
         moe_router_enable_expert_bias=case['bias'],
@@ -167,7 +168,6 @@ def model_config(case, dtype, reference):
         moe_token_dispatcher_type='allgather',
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         calculate_per_token_loss=case['per_token'] and not reference,
@@ -178,6 +178,8 @@ def model_config(case, dtype, reference):
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        add_bias_linear=case.get('linear_bias', False),
+        moe_layer_freq=[0] + [1] * (LAYERS - 1) if case.get('dense_first') else 1,
         **extra,
     )
 
@@ -187,11 +189,16 @@ def build_model(config, case):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
 
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if case.get('dense_first'):
+        # moe_layer_freq picks a dense MLP for the first layer: the block spec of each layer.
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
     mtp_spec = None
     if case['mtp']:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
@@ -338,6 +345,58 @@ def _router_state(module):
 
 
 # ------------------------------------------------------------------------------------------
+# The logged MoE metrics.
+
+
+class _Scalars:
+    """Stands in for TensorBoard's ``SummaryWriter``: keeps what the tracker's ``report`` writes
+    (each metric's mean over the MoE layers, and ``moe/<name>_layer_<i>``)."""
+
+    def __init__(self):
+        self.values = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.values[name] = float(value)
+
+
+def report_metrics(case, loss_scale, pg_collection=None):
+    """{name: value} that the MoE metrics tracker's ``report`` logs for this step, called as a
+    library user calls it (no ``force_initialize``; megatron.training forces it), with per-layer
+    logging. Raises what ``report`` raises."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    writer = _Scalars()
+    get_moe_metrics_tracker().report(
+        loss_scale=loss_scale,
+        iteration=1,
+        writer=writer,
+        per_layer_logging=True,
+        num_layers=LAYERS,
+        moe_layer_freq=[0] + [1] * (LAYERS - 1) if case.get('dense_first') else None,
+        mtp_num_layers=1 if case['mtp'] else None,
+        pg_collection=pg_collection,
+    )
+    return writer.values
+
+
+def _timed_pp_collection(timeout_s=5):
+    """Where a pipeline stage has no MoE layer, a tracker without 0036's name agreement
+    all-reduces a metric over PP on the MoE stage only and waits for ever: ``report`` gets a
+    gloo PP group that times out instead (world = PP here), and the data-parallel group."""
+    import datetime
+    import types
+
+    from megatron.core import parallel_state as ps
+
+    ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    assert len(ranks) == torch.distributed.get_world_size(), ranks
+    group = torch.distributed.new_group(
+        ranks, backend='gloo', timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return types.SimpleNamespace(pp=group, dp=ps.get_data_parallel_group(), dp_cp_gtp_remat=None)
+
+
+# ------------------------------------------------------------------------------------------
 # The reference: one process, plain autograd.
 
 
@@ -417,6 +476,8 @@ def _reference_step(case, dtype):
         hook.remove()
     res['counts'] = {k: v.tolist() for k, v in counts.items()}
     res['bias0'] = bias0
+    # What the tracker logs for the step: the mean over the step's microbatches.
+    res['metrics'] = report_metrics(case, 1.0 / (dp * mbs))
     return res
 
 
@@ -501,6 +562,8 @@ def _reference_cases(cases):
             res['ref32_flat'] = [v for *_, v in r32['grads']]
             res['counts'] = r64['counts']
             res['bias0'] = r64['bias0']
+            res['metrics64'] = r64['metrics']
+            res['metrics32'] = r32['metrics']
         except Exception as exc:  # noqa: BLE001 - reported per case
             import traceback
 
@@ -630,7 +693,14 @@ def _parallel_step(case):
     if case['distopt']:
         _gather_distopt_shards(model)
     grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
+    try:
+        pp = case['layout'].get('pp', 1)
+        pgc = _timed_pp_collection() if case.get('dense_first') and pp > 1 else None
+        metrics = report_metrics(case, 1.0 / NUM_MICROBATCHES, pgc)
+    except Exception as exc:  # noqa: BLE001 - upstream's error is the result
+        metrics = {'error': f'{type(exc).__name__}: {exc}'[:300]}
     return {
+        'metrics': metrics,
         'grads': grads_by_key(module, grads),
         'bias': {k: bias for k, (bias, _) in _router_state(module).items()},
         # The tokens per expert the expert-bias update used (reduced over TP x DP x CP).
