@@ -141,13 +141,6 @@ BIAS_PAD_BROKEN = not _fixed(PRISTINE, BIAS_PAD)
 PAD_UNSUPPORTED = ('tp2pp2',)
 
 
-# Open on dev, not run there: per-token loss + padding mask + MTP. On the dev fork one or two
-# of its layouts come out up to 1 % off the oracle, and which ones depends on the cases the world
-# ran before (dp2 and dp2ep2 with every case; ep2 and ep2pp2 without those two): state left by an
-# earlier case, cause not found (results README). The releases equal the oracle in every layout.
-DEV_OPEN = 'pt1-pad1-do0-mtp'
-
-
 def _variants(layout_name, variants):
     tp = LAYOUTS[layout_name][1].get('tp', 1)
     return [
@@ -155,7 +148,6 @@ def _variants(layout_name, variants):
         for v in variants
         if not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
         and not (v in TP_ONLY_VARIANTS and tp == 1)
-        and not (BASE == 'dev' and v == DEV_OPEN)
     ]
 
 

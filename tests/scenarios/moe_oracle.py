@@ -462,11 +462,21 @@ def _reference_step(case, dtype):
             case['per_token'], count, router_count, step_count, dp, mbs
         )
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
+        mtp_router_factor = 1.0
         if case['mtp']:
             mtp_count = float(_mtp_mask(mask).sum())
             w_mtp = mtp_weight(case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs)
             MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
-        out = _forward(module, case, tokens, labels, mask)
+            # The MTP routers count their own tokens, the padding mask rolled left by one: its
+            # last position padded on dev (a sequence's first valid token drops out of the
+            # count), valid on the releases (as many tokens as the decoder's routers here).
+            mtp_router_count = float(valid[1].sum()) if case['pad'] else router_count
+            _, w_mtp_aux = objective_weights(
+                case['per_token'], count, mtp_router_count, step_count, dp, mbs
+            )
+            mtp_router_factor = w_mtp_aux / w_aux
+        with _mtp_router_losses_scaled(module, mtp_router_factor):
+            out = _forward(module, case, tokens, labels, mask)
         ((out * mask.to(out.dtype)).sum() * w_main).backward()
     grads = {p: p.grad for p in module.parameters() if p.grad is not None}
     res = {'grads': grads_by_key(module, grads)}
@@ -479,6 +489,42 @@ def _reference_step(case, dtype):
     # What the tracker logs for the step: the mean over the step's microbatches.
     res['metrics'] = report_metrics(case, 1.0 / (dp * mbs))
     return res
+
+
+@contextlib.contextmanager
+def _mtp_router_losses_scaled(module, factor):
+    """Multiply the aux losses and z-loss that the MTP routers of ``module`` attach in the
+    forward by ``factor``: their weight in the objective (an aux loss covers its own router's
+    tokens) differs from the decoder routers' where the MTP routers count other tokens, and
+    MoEAuxLossAutoScaler has one backward scale for every router."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if factor == 1.0:
+        yield
+        return
+    assert 'apply' not in vars(MoEAuxLossAutoScaler)
+    apply = MoEAuxLossAutoScaler.apply
+
+    def scaled(activation, loss):
+        return apply(activation, loss * factor)
+
+    def enter(router, args):
+        MoEAuxLossAutoScaler.apply = scaled
+
+    def leave(router, args, output):
+        del MoEAuxLossAutoScaler.apply
+
+    hooks = []
+    for name, router in _routers(module):
+        if name.startswith('mtp.'):
+            hooks += [router.register_forward_pre_hook(enter), router.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if 'apply' in vars(MoEAuxLossAutoScaler):
+            del MoEAuxLossAutoScaler.apply
 
 
 def _forward(module, case, tokens, labels, mask):
