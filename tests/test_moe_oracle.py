@@ -55,6 +55,12 @@ LAYOUTS = {
     'tp2ep2etp1': (4, {'tp': 2, 'ep': 2, 'etp': 1}),
     'dp2ep2': (4, {'ep': 2}),
     'ep4': (4, {'ep': 4}),
+    # CP (attention: tests/scenarios/moe_oracle_cp.py's stand-in; cp2ep2: dense DP 2).
+    'cp2': (2, {'cp': 2}),
+    'cp2ep2': (4, {'cp': 2, 'ep': 2}),
+    'tp2cp2': (4, {'tp': 2, 'cp': 2}),
+    'cp2pp2': (4, {'cp': 2, 'pp': 2}),
+    'cp4': (4, {'cp': 4}),
 }
 # Per layout: (per-token loss, padding mask, distributed optimizer, MTP); together they turn each
 # of the four on and off. Only the first two discriminate a candidate: the pristine arm runs
@@ -66,8 +72,13 @@ VARIANTS = {
     'pt0-pad0-do1-mtp': (False, False, True, True),
     'pt1-pad1-do0-mtp': (True, True, False, True),
     'pt0-pad1-do0-mtp': (False, True, False, True),
+    'pt1-pad0-do0-mtp': (True, False, False, True),
 }
-PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
+PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp', 'pt1-pad0-do0-mtp')
+# The CP layouts run these only (the file's time): per-token + mask + distopt, mean loss +
+# mask, per-token + MTP. Mean loss with MTP is not covered under CP: each CP rank's MTP term is
+# its own mean, and the reference attaches one scale per microbatch to the model's MTP loss.
+CP_VARIANTS = ('pt1-pad1-do1', 'pt0-pad1-do0', 'pt1-pad0-do0-mtp')
 # The mean-loss MTP case with a padding mask pins 0044 (the MTP layer rolls the padding mask of
 # its sequence-parallel chunk): it runs where TP > 1 only.
 TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
@@ -76,8 +87,8 @@ TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
 def _case(layout_name, variant, bias=True):
     world, layout = LAYOUTS[layout_name]
     per_token, pad, distopt, mtp = VARIANTS[variant]
-    tp, pp = layout.get('tp', 1), layout.get('pp', 1)
-    dp = world // (tp * pp)
+    tp, pp, cp = layout.get('tp', 1), layout.get('pp', 1), layout.get('cp', 1)
+    dp = world // (tp * pp * cp)
     lb = ['aux_loss', 'seq_aux_loss']
     if dp == 1:
         # The global aux loss averages the counts over the DP ranks' microbatches: the one-process
@@ -85,12 +96,14 @@ def _case(layout_name, variant, bias=True):
         lb.append('global_aux_loss')
     # Under the mean loss with a padding mask the z-loss of each TP rank is its own mean (the
     # mean of per-rank means: tests/test_moe_candidates.py's z-pt0-pad1, not a candidate).
-    z = not (pad and not per_token and tp > 1)
+    # The same for the CP ranks' own means.
+    z = not (pad and not per_token and tp * cp > 1)
     return dict(
         name=f'{layout_name}-{variant}' + ('' if bias else '-nobias'),
         world=world,
         layout=layout,
         dp=dp,
+        cp=cp,
         lb=lb,
         z=z,
         mtp=mtp,
@@ -125,10 +138,12 @@ DEV_OPEN = 'pt1-pad1-do0-mtp'
 
 def _variants(layout_name, variants):
     tp = LAYOUTS[layout_name][1].get('tp', 1)
+    cp = LAYOUTS[layout_name][1].get('cp', 1)
     return [
         v
         for v in variants
-        if not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
+        if (v in CP_VARIANTS if cp > 1 else v != 'pt1-pad0-do0-mtp')
+        and not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
         and not (v in TP_ONLY_VARIANTS and tp == 1)
         and not (BASE == 'dev' and v == DEV_OPEN)
     ]
@@ -158,15 +173,18 @@ if BIAS_PAD_BROKEN:
 
 
 def _ref_key(case):
-    """The reference depends on the model and the global batch, not on the layout."""
+    """The reference depends on the model and the global batch, not on the layout (under the
+    mean loss, on the CP size: each CP rank's mean weighs its own tokens)."""
     keep = ('dp', 'lb', 'z', 'mtp', 'per_token', 'pad', 'bias', 'mtp_last_padded')
-    return '-'.join(f'{k}={case[k]}' for k in keep)
+    cp = '' if case['per_token'] or case['cp'] == 1 else f"-cp={case['cp']}"
+    return '-'.join(f'{k}={case[k]}' for k in keep) + cp
 
 
 def _breaks(tree, case):
     """The candidates of issue 31 (and earlier MoE changes) that ``case`` exercises and ``tree``
     lacks the fix of, from the change records."""
-    tp = case['layout'].get('tp', 1)
+    # Candidates 1 and 2 are TP x CP factors (the router reduces over TP x CP).
+    tp = case['layout'].get('tp', 1) * case['cp']
     out = []
     if case['pad'] and case['bias'] and not _fixed(tree, BIAS_PAD):
         out.append('4 expert-bias counts with a padding mask')
