@@ -74,7 +74,7 @@ VARIANTS = {
     'pt0-pad1-do0-mtp': (False, True, False, True),
     'pt1-pad0-do0-mtp': (True, False, False, True),
 }
-PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp', 'pt1-pad0-do0-mtp')
+PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
 # The CP layouts run these only (the file's time): per-token + mask + distopt, mean loss +
 # mask, per-token + MTP. Mean loss with MTP is not covered under CP: each CP rank's MTP term is
 # its own mean, and the reference attaches one scale per microbatch to the model's MTP loss.
