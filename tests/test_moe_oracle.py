@@ -76,9 +76,17 @@ VARIANTS = {
 }
 PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
 # The CP layouts run these only (the file's time): per-token + mask + distopt, mean loss +
-# mask, per-token + MTP. Mean loss with MTP is not covered under CP: each CP rank's MTP term is
-# its own mean, and the reference attaches one scale per microbatch to the model's MTP loss.
-CP_VARIANTS = ('pt1-pad1-do1', 'pt0-pad1-do0', 'pt1-pad0-do0-mtp')
+# mask, per-token + MTP (MTP's roll crosses the CP ranks). Mean loss with MTP is not covered
+# under CP: each CP rank's MTP term is its own mean, and the reference attaches one scale per
+# microbatch to the model's MTP loss.
+CP_ALL = ('pt1-pad1-do1', 'pt0-pad1-do0', 'pt1-pad0-do0-mtp')
+CP_VARIANTS = {
+    'cp2': CP_ALL,
+    'tp2cp2': CP_ALL,
+    'cp2ep2': ('pt1-pad1-do1', 'pt0-pad1-do0'),
+    'cp2pp2': ('pt1-pad1-do1', 'pt1-pad0-do0-mtp'),
+    'cp4': ('pt0-pad1-do0',),
+}
 # The mean-loss MTP case with a padding mask pins 0044 (the MTP layer rolls the padding mask of
 # its sequence-parallel chunk): it runs where TP > 1 only.
 TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
@@ -142,7 +150,7 @@ def _variants(layout_name, variants):
     return [
         v
         for v in variants
-        if (v in CP_VARIANTS if cp > 1 else v != 'pt1-pad0-do0-mtp')
+        if (v in CP_VARIANTS[layout_name] if cp > 1 else v != 'pt1-pad0-do0-mtp')
         and not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
         and not (v in TP_ONLY_VARIANTS and tp == 1)
         and not (BASE == 'dev' and v == DEV_OPEN)
