@@ -5,7 +5,7 @@ tests/scenarios/moe_oracle.py runs upstream's GPTModel (local spec, 4 local SwiG
 a shared expert, expert bias, aux + seq aux (+ global aux where the dense DP size is 1) losses,
 z-loss, MTP depth 1 in some cases) through the real schedule (2 microbatches, uneven valid
 tokens), megatron DDP (distributed optimizer on and off) and finalize_model_grads on CPU ranks.
-The oracle is the same model at TP = EP = PP = 1 in one process, float64, with the objective of
+The oracle is the same model at TP = EP = PP = CP = 1 in one process, float64, with the objective of
 ``objective_weights`` / ``mtp_weight`` (tests/scenarios/moe_oracle.py); the bound of each
 parameter comes from the same one-process run in float32: 8x its distance from float64 plus 16
 float32 eps of the largest element.
@@ -14,9 +14,14 @@ Per tree and base, a case is expected to equal the oracle unless a change of pat
 that it exercises is missing from the tree (``_breaks``); a pristine case is expected to fail
 (an upstream error, or some parameter beyond its bound) exactly where ``_breaks`` names one.
 
-CP is not covered: upstream's local DotProductAttention asserts CP == 1 ("Context parallelism is
-only supported by TEDotProductAttention!"), so the full GPT cannot run CP without Transformer
-Engine; the router path under TP is tests/test_moe_candidates.py's.
+CP layouts (cp2, cp2ep2, tp2cp2, cp2pp2, cp4): upstream's local DotProductAttention asserts
+CP == 1 (CP attention is Transformer Engine's), so these cases run a stand-in core attention
+(tests/scenarios/moe_oracle_cp.py: upstream's DotProductAttention over the K and V all-gathered
+over the CP group, causal by global position); everything else is upstream's at the case's CP
+size (the load-balanced split by get_batch_on_this_cp_rank, RoPE's CP slice, the router's
+TP x CP reductions, MTP's roll across CP ranks, DDP over DP x CP, finalize_model_grads, the
+schedule). Under the mean loss the oracle is the mean of the CP ranks' own masked means
+(``objective_weights``).
 """
 
 import pytest

@@ -12,7 +12,7 @@ parameter's gradient under its global key and offset (``sharded_state_dict()`` b
 gradients) and the expert-bias update with the tokens per expert it used.
 
 :func:`scenario_reference` (a world of one rank) computes the same model and global batch at
-TP = EP = PP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
+TP = EP = PP = CP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
 microbatch, with the weights of each term set by :func:`objective_weights` (main loss, aux
 losses) and :func:`mtp_weight` (the MTP term) instead of upstream's per-token rescales. Every
 weight is set from the global key of the parameter (:func:`_init_value`), so both runs start
