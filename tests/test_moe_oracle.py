@@ -87,7 +87,8 @@ PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
 CP_ALL = ('pt1-pad1-do1', 'pt0-pad1-do0', 'pt1-pad0-do0-mtp')
 CP_VARIANTS = {
     'cp2': CP_ALL,
-    'tp2cp2': CP_ALL,
+    # + MTP with a mask (releases; dev: DEV_OPEN): the padding mask rolled across CP ranks.
+    'tp2cp2': CP_ALL + ('pt1-pad1-do0-mtp',),
     'cp2ep2': ('pt1-pad1-do1', 'pt0-pad1-do0'),
     'cp2pp2': ('pt1-pad1-do1', 'pt1-pad0-do0-mtp'),
     'cp4': ('pt0-pad1-do0',),
