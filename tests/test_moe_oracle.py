@@ -5,7 +5,7 @@ tests/scenarios/moe_oracle.py runs upstream's GPTModel (local spec, 4 local SwiG
 a shared expert, expert bias, aux + seq aux (+ global aux where the dense DP size is 1) losses,
 z-loss, MTP depth 1 in some cases) through the real schedule (2 microbatches, uneven valid
 tokens), megatron DDP (distributed optimizer on and off) and finalize_model_grads on CPU ranks.
-The oracle is the same model at TP = EP = PP = 1 in one process, float64, with the objective of
+The oracle is the same model at TP = EP = PP = CP = 1 in one process, float64, with the objective of
 ``objective_weights`` / ``mtp_weight`` (tests/scenarios/moe_oracle.py); the bound of each
 parameter comes from the same one-process run in float32: 8x its distance from float64 plus 16
 float32 eps of the largest element.
@@ -14,9 +14,14 @@ Per tree and base, a case is expected to equal the oracle unless a change of pat
 that it exercises is missing from the tree (``_breaks``); a pristine case is expected to fail
 (an upstream error, or some parameter beyond its bound) exactly where ``_breaks`` names one.
 
-CP is not covered: upstream's local DotProductAttention asserts CP == 1 ("Context parallelism is
-only supported by TEDotProductAttention!"), so the full GPT cannot run CP without Transformer
-Engine; the router path under TP is tests/test_moe_candidates.py's.
+CP layouts (cp2, cp2ep2, tp2cp2, cp2pp2, cp4): upstream's local DotProductAttention asserts
+CP == 1 (CP attention is Transformer Engine's), so these cases run a stand-in core attention
+(tests/scenarios/moe_oracle_cp.py: upstream's DotProductAttention over the K and V all-gathered
+over the CP group, causal by global position); everything else is upstream's at the case's CP
+size (the load-balanced split by get_batch_on_this_cp_rank, RoPE's CP slice, the router's
+TP x CP reductions, MTP's roll across CP ranks, DDP over DP x CP, finalize_model_grads, the
+schedule). Under the mean loss the oracle is the mean of the CP ranks' own masked means
+(``objective_weights``).
 """
 
 import pytest
@@ -59,6 +64,12 @@ LAYOUTS = {
     'tp2ep2etp1': (4, {'tp': 2, 'ep': 2, 'etp': 1}),
     'dp2ep2': (4, {'ep': 2}),
     'ep4': (4, {'ep': 4}),
+    # CP (attention: tests/scenarios/moe_oracle_cp.py's stand-in; cp2ep2: dense DP 2).
+    'cp2': (2, {'cp': 2}),
+    'cp2ep2': (4, {'cp': 2, 'ep': 2}),
+    'tp2cp2': (4, {'tp': 2, 'cp': 2}),
+    'cp2pp2': (4, {'cp': 2, 'pp': 2}),
+    'cp4': (4, {'cp': 4}),
 }
 # Per layout: (per-token loss, padding mask, distributed optimizer, MTP); together they turn each
 # of the four on and off. Only the first two discriminate a candidate: the pristine arm runs
@@ -70,8 +81,22 @@ VARIANTS = {
     'pt0-pad0-do1-mtp': (False, False, True, True),
     'pt1-pad1-do0-mtp': (True, True, False, True),
     'pt0-pad1-do0-mtp': (False, True, False, True),
+    'pt1-pad0-do0-mtp': (True, False, False, True),
 }
 PRISTINE_VARIANTS = ('pt1-pad1-do1', 'pt1-pad0-do0', 'pt0-pad1-do0-mtp')
+# The CP layouts run these only (the file's time): per-token + mask + distopt, mean loss +
+# mask, per-token + MTP (MTP's roll crosses the CP ranks). Mean loss with MTP is not covered
+# under CP: each CP rank's MTP term is its own mean, and the reference attaches one scale per
+# microbatch to the model's MTP loss.
+CP_ALL = ('pt1-pad1-do1', 'pt0-pad1-do0', 'pt1-pad0-do0-mtp')
+CP_VARIANTS = {
+    'cp2': CP_ALL,
+    # + MTP with a mask (releases; dev: DEV_OPEN): the padding mask rolled across CP ranks.
+    'tp2cp2': CP_ALL + ('pt1-pad1-do0-mtp',),
+    'cp2ep2': ('pt1-pad1-do1', 'pt0-pad1-do0'),
+    'cp2pp2': ('pt1-pad1-do1', 'pt1-pad0-do0-mtp'),
+    'cp4': ('pt0-pad1-do0',),
+}
 # The mean-loss MTP case with a padding mask pins 0044 (the MTP layer rolls the padding mask of
 # its sequence-parallel chunk): it runs where TP > 1 only.
 TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
@@ -101,8 +126,8 @@ PRISTINE_MTP_CASES = [('dp2', 'pt1-pad1-do0-mtp'), ('ep2pp2', 'pt1-pad1-do0-mtp'
 def _case(layout_name, variant, bias=True, model=None):
     world, layout = LAYOUTS[layout_name]
     per_token, pad, distopt, mtp = VARIANTS[variant]
-    tp, pp = layout.get('tp', 1), layout.get('pp', 1)
-    dp = world // (tp * pp)
+    tp, pp, cp = layout.get('tp', 1), layout.get('pp', 1), layout.get('cp', 1)
+    dp = world // (tp * pp * cp)
     lb = ['aux_loss', 'seq_aux_loss']
     if dp == 1:
         # The global aux loss averages the counts over the DP ranks' microbatches: the one-process
@@ -114,6 +139,7 @@ def _case(layout_name, variant, bias=True, model=None):
         world=world,
         layout=layout,
         dp=dp,
+        cp=cp,
         lb=lb,
         z=True,
         mtp=mtp,
@@ -143,10 +169,12 @@ PAD_UNSUPPORTED = ('tp2pp2',)
 
 def _variants(layout_name, variants):
     tp = LAYOUTS[layout_name][1].get('tp', 1)
+    cp = LAYOUTS[layout_name][1].get('cp', 1)
     return [
         v
         for v in variants
-        if not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
+        if (v in CP_VARIANTS[layout_name] if cp > 1 else v != 'pt1-pad0-do0-mtp')
+        and not (VARIANTS[v][1] and layout_name in PAD_UNSUPPORTED)
         and not (v in TP_ONLY_VARIANTS and tp == 1)
     ]
 
@@ -179,19 +207,23 @@ if BIAS_PAD_BROKEN:
 
 
 def _ref_key(case):
-    """The reference depends on the model and the global batch, not on the layout."""
+    """The reference depends on the model and the global batch, not on the layout (under the
+    mean loss, on the CP size: each CP rank's mean weighs its own tokens)."""
     keep = ('dp', 'lb', 'z', 'mtp', 'per_token', 'pad', 'bias', 'mtp_last_padded')
     keep += ('linear_bias', 'dense_first')
-    return '-'.join(f'{k}={case[k]}' for k in keep)
+    cp = '' if case['per_token'] or case['cp'] == 1 else f"-cp={case['cp']}"
+    return '-'.join(f'{k}={case[k]}' for k in keep) + cp
 
 
 def _breaks(tree, case):
     """The candidates of issue 31 (and earlier MoE changes) that ``case`` exercises and ``tree``
     lacks the fix of, from the change records."""
-    tp = case['layout'].get('tp', 1)
+    # Candidates 1 and 2 are TP x CP factors (the router reduces over TP x CP).
+    tp = case['layout'].get('tp', 1) * case['cp']
     ep, pp = case['layout'].get('ep', 1), case['layout'].get('pp', 1)
     out = []
-    if case['linear_bias'] and ep == 1 and case['layout'].get('etp', tp) == 1:
+    etp = case['layout'].get('etp', case['layout'].get('tp', 1))
+    if case['linear_bias'] and ep == 1 and etp == 1:
         if not _fixed(tree, MLP_BIAS):
             out.append('6 MoE linear biases at EP = ETP = 1')
     if case['dense_first'] and pp > 1 and not _fixed(tree, METRICS_PP):

@@ -225,6 +225,9 @@ class _CudaToCpuMode(TorchFunctionMode):
             _is_cuda_device(kwargs['device']) or type(kwargs['device']) is int
         ):
             kwargs['device'] = _CPU
+        if kwargs.get('pin_memory'):
+            # Pinned host memory needs a CUDA driver (RoPE's CP slice asks for it).
+            kwargs['pin_memory'] = False
         if func is torch.Tensor.to and args:
             args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)

@@ -12,7 +12,7 @@ parameter's gradient under its global key and offset (``sharded_state_dict()`` b
 gradients) and the expert-bias update with the tokens per expert it used.
 
 :func:`scenario_reference` (a world of one rank) computes the same model and global batch at
-TP = EP = PP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
+TP = EP = PP = CP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
 microbatch, with the weights of each term set by :func:`objective_weights` (main loss, aux
 losses) and :func:`mtp_weight` (the MTP term) instead of upstream's per-token rescales. Every
 weight is set from the global key of the parameter (:func:`_init_value`), so both runs start
@@ -23,6 +23,8 @@ import contextlib
 import hashlib
 
 import torch
+
+from tests.scenarios import moe_oracle_cp
 
 HIDDEN = 16
 HEADS = 4
@@ -47,7 +49,9 @@ BIAS_RATE = 1e-2
 # The objective (one place: the test's oracle is defined here).
 
 
-def objective_weights(per_token, main_count, router_count, step_count, dp, microbatches):
+def objective_weights(
+    per_token, main_count, router_count, step_count, dp, microbatches, cp=1, cp_counts=None
+):
     """Weights of one microbatch's terms in the step's objective (the one-process reference).
 
     Args:
@@ -57,16 +61,28 @@ def objective_weights(per_token, main_count, router_count, step_count, dp, micro
             mask, all its tokens without).
         step_count: the step's valid tokens (all microbatches, all DP ranks).
         dp, microbatches: the data-parallel size and the number of microbatches.
+        cp, cp_counts: the context-parallel size and, where it is above 1, a [MBS, SEQ] tensor:
+            per token, the valid tokens of the CP rank that holds it in this microbatch.
 
     Returns:
-        (weight of the microbatch's summed token loss, weight of its aux losses and z-loss as
-        upstream's router computes them at TP 1 under the mean loss).
+        (weight of the microbatch's summed token loss, per token where ``cp_counts`` is given;
+        weight of its aux losses and z-loss as upstream's router computes them at TP 1 under
+        the mean loss).
+
+    Mean loss under CP: each CP rank's loss_func returns its own (sum, valid tokens); the
+    schedule's forward_step_calc_loss divides by its count and the microbatches (0.18.2, 0.19.2
+    and dev alike), DDP scales by 1 / (DP x CP) and sums over DP x CP: the mean over microbatches,
+    DP and CP ranks of each rank's own masked mean. The aux losses keep 1 / (DP x microbatches):
+    the schedule multiplies their scale by CP, which DDP's 1 / (DP x CP) takes back, and each
+    CP rank's router term is its part of the whole sequence's loss (counts reduced over TP x CP).
     """
     if per_token:
         # Per-token: every valid token weighs 1 / step_count; an aux loss covers its router's
         # tokens (upstream rescales it by that count before finalize divides by the step's).
         return 1.0 / step_count, router_count / step_count
-    # Mean loss: mean over microbatches and DP of each microbatch's mean.
+    # Mean loss: mean over microbatches and DP (and CP ranks) of each microbatch's mean.
+    if cp_counts is not None:
+        return 1.0 / (cp_counts * cp * dp * microbatches), 1.0 / (dp * microbatches)
     return 1.0 / (main_count * dp * microbatches), 1.0 / (dp * microbatches)
 
 
@@ -155,6 +171,7 @@ def model_config(case, dtype, reference):
         pipeline_model_parallel_size=lay.get('pp', 1),
         expert_model_parallel_size=lay.get('ep', 1),
         expert_tensor_parallel_size=lay.get('etp', tp),
+        context_parallel_size=lay.get('cp', 1),
         sequence_parallel=tp > 1,
         num_moe_experts=EXPERTS,
         moe_ffn_hidden_size=MOE_FFN,
@@ -199,6 +216,8 @@ def build_model(config, case):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if config.context_parallel_size > 1:
+        spec = moe_oracle_cp.layer_spec(spec)
     mtp_spec = None
     if case['mtp']:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
@@ -458,8 +477,14 @@ def _reference_step(case, dtype):
         )
         count = float(mask.sum())
         router_count = count if case['pad'] else float(mask.numel())
+        cp = case['cp']
+        cp_counts = None
+        if cp > 1:
+            owner = moe_oracle_cp.owner(cp, SEQ)
+            per_rank = torch.stack([mask[:, owner == r].sum() for r in range(cp)])
+            cp_counts = per_rank[owner].to(dtype).expand(MBS, SEQ)
         w_main, w_aux = objective_weights(
-            case['per_token'], count, router_count, step_count, dp, mbs
+            case['per_token'], count, router_count, step_count, dp, mbs, cp, cp_counts
         )
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
         mtp_router_factor = 1.0
@@ -472,12 +497,12 @@ def _reference_step(case, dtype):
             # count), valid on the releases (as many tokens as the decoder's routers here).
             mtp_router_count = float(valid[1].sum()) if case['pad'] else router_count
             _, w_mtp_aux = objective_weights(
-                case['per_token'], count, mtp_router_count, step_count, dp, mbs
+                case['per_token'], count, mtp_router_count, step_count, dp, mbs, cp, cp_counts
             )
             mtp_router_factor = w_mtp_aux / w_aux
         with _mtp_router_losses_scaled(module, mtp_router_factor):
             out = _forward(module, case, tokens, labels, mask)
-        ((out * mask.to(out.dtype)).sum() * w_main).backward()
+        (out * mask.to(out.dtype) * w_main).sum().backward()
     grads = {p: p.grad for p in module.parameters() if p.grad is not None}
     res = {'grads': grads_by_key(module, grads)}
     # The tokens per expert of the step: each router's routing map over the valid tokens
@@ -527,8 +552,9 @@ def _mtp_router_losses_scaled(module, factor):
             del MoEAuxLossAutoScaler.apply
 
 
-def _forward(module, case, tokens, labels, mask):
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()
+def _forward(module, case, tokens, labels, mask, position_ids=None):
+    if position_ids is None:
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()
     kwargs = {'labels': labels}
     if case['mtp']:
         kwargs['loss_mask'] = mask
@@ -683,6 +709,7 @@ def _parallel_run(ctx, case):
         pipeline_model_parallel_size=lay.get('pp', 1),
         expert_model_parallel_size=lay.get('ep', 1),
         expert_tensor_parallel_size=lay.get('etp'),
+        context_parallel_size=lay.get('cp', 1),
     )
     try:
         with _upstream_state():
@@ -720,10 +747,18 @@ def _parallel_step(case):
     config.timers = None
     dp_rank = ps.get_data_parallel_rank()
     batches = [microbatch(dp_rank * NUM_MICROBATCHES + m) for m in range(NUM_MICROBATCHES)]
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()
+    if ps.get_context_parallel_world_size() > 1:
+        # Each CP rank's part of each microbatch, by upstream's get_batch_on_this_cp_rank.
+        names = ('tokens', 'labels', 'loss_mask', 'position_ids')
+        group = ps.get_context_parallel_group()
+        parts = [moe_oracle_cp.split(dict(zip(names, (*b, position_ids))), group) for b in batches]
+        batches = [tuple(p[n] for n in names[:3]) for p in parts]
+        position_ids = parts[0]['position_ids']
 
     def forward_step(data_iterator, model):
         tokens, labels, mask = next(data_iterator)
-        output = _forward(model, case, tokens, labels, mask)
+        output = _forward(model, case, tokens, labels, mask, position_ids)
 
         def loss_func(output_tensor):
             loss = (output_tensor.float() * mask).sum()
