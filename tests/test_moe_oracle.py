@@ -5,10 +5,12 @@ tests/scenarios/moe_oracle.py runs upstream's GPTModel (local spec, 4 local SwiG
 a shared expert, expert bias, aux + seq aux (+ global aux where the dense DP size is 1) losses,
 z-loss, MTP depth 1 in some cases) through the real schedule (2 microbatches, uneven valid
 tokens), megatron DDP (distributed optimizer on and off) and finalize_model_grads on CPU ranks.
-The oracle is the same model at TP = EP = PP = CP = 1 in one process, float64, with the objective of
-``objective_weights`` / ``mtp_weight`` (tests/scenarios/moe_oracle.py); the bound of each
-parameter comes from the same one-process run in float32: 8x its distance from float64 plus 16
-float32 eps of the largest element.
+The oracle is the same model at TP = EP = PP = CP = 1 in one process, float64, with the
+objective of ``objective_weights`` / ``mtp_weight`` (tests/scenarios/moe_oracle.py); the bound of
+each parameter comes from the same one-process run in float32: 8x its distance from float64 plus
+16 float32 eps of the largest element. The MoE metrics that the tracker's ``report()`` logs (as a
+library calls it, per layer) are compared the same way. Model variants (``MODEL_CASES``): linear
+biases at EP = ETP = 1 (candidate 6) and a dense first layer under PP (candidate 5).
 
 Per tree and base, a case is expected to equal the oracle unless a change of patches/changes.toml
 that it exercises is missing from the tree (``_breaks``); a pristine case is expected to fail
