@@ -36,6 +36,16 @@ class _State:
 
 
 STATE = _State()
+_UNCACHED = []  # torch.distributed.new_group as it was before install()
+
+
+def uncached_new_group(*args, **kwargs):
+    """A new group that the cache neither hands out again nor keeps: for a group a scenario lets
+    time out (gloo closes its pairs then, so a later request for the same ranks and timeout
+    must not get it back). Every rank must call it at the same point, as ``new_group``."""
+    import torch.distributed as dist
+
+    return (_UNCACHED[0] if _UNCACHED else dist.new_group)(*args, **kwargs)
 
 
 def _key(bound):
@@ -67,6 +77,7 @@ def install(dist, parallel_state):
     if getattr(dist.new_group, '_fork_group_cache', False):
         return
     new_group = dist.new_group
+    _UNCACHED[:] = [new_group]
     destroy = dist.destroy_process_group
     initialize = parallel_state.initialize_model_parallel
     signature = inspect.signature(new_group)

@@ -219,11 +219,12 @@ def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
     hanging. Returns each rank's 'report_error' (or None) and log string."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from tests.harness.group_cache import uncached_new_group
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
         pp_ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-        pp_group = torch.distributed.new_group(
+        pp_group = uncached_new_group(
             pp_ranks, backend='gloo', timeout=datetime.timedelta(seconds=timeout_s)
         )
         pgc = types.SimpleNamespace(

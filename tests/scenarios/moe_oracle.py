@@ -406,12 +406,12 @@ def _timed_pp_collection(timeout_s=5):
     import types
 
     from megatron.core import parallel_state as ps
+    from tests.harness.group_cache import uncached_new_group
 
     ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     assert len(ranks) == torch.distributed.get_world_size(), ranks
-    group = torch.distributed.new_group(
-        ranks, backend='gloo', timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    # Not the harness's cached group: once timed out, gloo has closed its pairs.
+    group = uncached_new_group(ranks, backend='gloo', timeout=datetime.timedelta(seconds=timeout_s))
     return types.SimpleNamespace(pp=group, dp=ps.get_data_parallel_group(), dp_cp_gtp_remat=None)
 
 
@@ -780,6 +780,10 @@ def _parallel_step(case):
         metrics = report_metrics(case, 1.0 / NUM_MICROBATCHES, pgc)
     except Exception as exc:  # noqa: BLE001 - upstream's error is the result
         metrics = {'error': f'{type(exc).__name__}: {exc}'[:300]}
+    if pgc is not None:
+        # A stage whose report() waited out the PP group's timeout is that much behind the other:
+        # leave the case together, so that no later call's collective starts one-sided.
+        torch.distributed.barrier()
     return {
         'metrics': metrics,
         'grads': grads_by_key(module, grads),
