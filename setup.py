@@ -178,7 +178,12 @@ setup(
     description="megatron-core with the fork's distributed-training fixes (see patches/<base>/)",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
-    license="Apache 2.0",
+    # Upstream's wheels say "License: Apache 2.0" next to the classifier "BSD License", while
+    # their licence text (LICENSE, Megatron-LM's) is BSD-3-Clause for every file that notes no
+    # other licence; the fork's own files are BSD-3-Clause too (NOTICE). Both files ship in the
+    # wheel's .dist-info/licenses/ (tests/tooling/test_clean_builds.py).
+    license_expression="BSD-3-Clause",
+    license_files=["LICENSE", "NOTICE"],
     python_requires=">=3.12",
     packages=packages(),
     package_dir={"megatron_fork": "tools/megatron_fork"},

@@ -4,7 +4,9 @@ setuptools reuses its build directory between builds and never removes a file fr
 0.19.2 build after a 0.18.2 build once shipped 0.18.2's extra modules (and the other way round).
 The test copies the checkout, builds the 0.18.2 wheel, then the 0.19.2 wheel, then 0.18.2 again
 in the same copy, and compares each wheel's ``megatron/`` with the pinned upstream wheel's plus
-the files its series adds.
+the files its series adds. The same wheels are checked for the licence: LICENSE and NOTICE in
+``.dist-info/licenses/``, byte for byte, and METADATA saying BSD-3-Clause (upstream's wheels say
+``License: Apache 2.0``).
 """
 
 import re
@@ -94,11 +96,20 @@ def _build(checkout, base, out):
     return wheel
 
 
-@pytest.mark.skipif(len(RELEASES) < 2, reason="needs two maintained releases")
-def test_each_wheel_holds_exactly_its_bases_files(checkout, tmp_path):
+@pytest.fixture(scope="module")
+def wheels(checkout, tmp_path_factory):
+    """[(base, wheel)]: the older release, the newer, the older again, built in that order in one
+    copy of the checkout (the slow part of this module: every test here reads these wheels)."""
+    if len(RELEASES) < 2:
+        pytest.fail(f"needs two maintained releases, {PIN['maintained']} has {RELEASES}")
+    out = tmp_path_factory.mktemp("clean-builds-wheels")
     order = [RELEASES[1], RELEASES[0], RELEASES[1]]  # older, newer, older again
-    for i, base in enumerate(order):
-        wheel = _build(checkout, base, tmp_path / f"out{i}")
+    return [(base, _build(checkout, base, out / f"out{i}")) for i, base in enumerate(order)]
+
+
+def test_each_wheel_holds_exactly_its_bases_files(wheels):
+    order = [base for base, _ in wheels]
+    for i, (base, wheel) in enumerate(wheels):
         pristine = upstream.fetch_wheel(PIN, base)
         added, deleted = _added_by_series(base)
         expected = (_megatron_files(pristine) - deleted) | added
@@ -107,3 +118,27 @@ def test_each_wheel_holds_exactly_its_bases_files(checkout, tmp_path):
             f"build {i} ({base}, after {order[:i]}): "
             f"extra {sorted(got - expected)[:8]}, missing {sorted(expected - got)[:8]}"
         )
+
+
+def test_each_wheel_ships_the_licence_and_says_bsd_3_clause(wheels):
+    """LICENSE and NOTICE in ``.dist-info/licenses/`` byte for byte; METADATA's licence fields
+    name BSD-3-Clause and no Apache licence (upstream's wheels say ``License: Apache 2.0`` next
+    to the classifier ``BSD License``)."""
+    expected = {name: (REPO / name).read_bytes() for name in ("LICENSE", "NOTICE")}
+    for base, wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            [info] = {n.split("/", 1)[0] for n in zf.namelist() if ".dist-info/" in n}
+            shipped = {
+                n.removeprefix(f"{info}/licenses/"): zf.read(n)
+                for n in zf.namelist()
+                if n.startswith(f"{info}/licenses/")
+            }
+            metadata = zf.read(f"{info}/METADATA").decode()
+        assert shipped == expected, (base, wheel.name, sorted(shipped))
+        head = metadata.split("\n\n", 1)[0]  # the header fields, not the README after them
+        fields = re.findall(r"^(License[\w-]*|Classifier): (.*)$", head, re.M)
+        assert ("License-Expression", "BSD-3-Clause") in fields, (base, fields)
+        assert sorted(v for k, v in fields if k == "License-File") == ["LICENSE", "NOTICE"]
+        # No bare `License:` (superseded by the expression), no licence classifier, no Apache.
+        assert not [f for f in fields if f[0] == "License" or "License ::" in f[1]], fields
+        assert not [f for f in fields if "apache" in f[1].lower()], fields
