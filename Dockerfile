@@ -59,6 +59,9 @@ ARG OFFLINE=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /opt/megatron-fork
+# The licence of what the image adds: upstream's LICENSE and the fork's NOTICE, where a
+# distribution puts a package's licence (docs/containers.md); the wheel's .dist-info has them too.
+COPY LICENSE NOTICE /usr/share/doc/megatron-core-fork/
 COPY . /opt/megatron-fork
 # Same installer as everywhere else; --no-torch keeps the NGC torch (and TE/apex built against it).
 # The wheel kit when there is one (--offline needs it). install.sh ends with the smoke: the
@@ -85,6 +88,8 @@ RUN if [ "${ROCM_TE}" = skip ]; then \
     fi \
     && rm -rf /tmp/te-wheels
 WORKDIR /opt/megatron-fork
+# The licence files, as in the cuda stage.
+COPY LICENSE NOTICE /usr/share/doc/megatron-core-fork/
 COPY . /opt/megatron-fork
 # Installed and smoke-tested as in the cuda stage (install.sh verifies with --import).
 # hadolint ignore=SC2046

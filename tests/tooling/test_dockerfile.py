@@ -1,5 +1,6 @@
 """Static checks of the Dockerfile (no Docker engine needed) plus hadolint when installed."""
 
+import fnmatch
 import os
 import re
 import shutil
@@ -116,3 +117,37 @@ def test_rocm_te_skip_is_opt_in():
     for name in ('rocm-te', 'rocm'):
         args = [arg for word, arg in stages()[name] if word == 'ARG']
         assert 'ROCM_TE=build' in args, f'{name}: {args}'
+
+
+LICENCE_DIR = '/usr/share/doc/megatron-core-fork/'
+
+
+@pytest.mark.parametrize('target', ['cuda', 'rocm'])
+def test_target_carries_the_licence_files(target):
+    """Each target copies LICENSE and NOTICE from the build context into LICENCE_DIR (the
+    conventional place for a package's licence; docs/containers.md names it)."""
+    copied = set()
+    for word, arg in stages()[target]:
+        if word != 'COPY':
+            continue
+        parts = [p for p in arg.split() if not p.startswith('--')]
+        if parts and parts[-1].rstrip('/') + '/' == LICENCE_DIR:
+            copied.update(parts[:-1])
+    assert {'LICENSE', 'NOTICE'} <= copied, f'{target}: copies {sorted(copied)} to {LICENCE_DIR}'
+    for name in ('LICENSE', 'NOTICE'):
+        assert os.path.isfile(os.path.join(REPO, name)), name
+    # The build context keeps them: no .dockerignore pattern drops LICENSE or NOTICE.
+    with open(os.path.join(REPO, '.dockerignore')) as fh:
+        patterns = [ln.strip() for ln in fh if ln.strip() and not ln.startswith('#')]
+    for name in ('LICENSE', 'NOTICE'):
+        dropped = [p for p in patterns if not p.startswith('!') and fnmatch.fnmatch(name, p)]
+        assert not dropped, f'.dockerignore drops {name}: {dropped}'
+
+
+def test_licence_rule_catches_a_target_without_the_files(monkeypatch):
+    """Counterfactual: a target that does not copy them fails the licence rule."""
+    bad = read_dockerfile().replace(f'COPY LICENSE NOTICE {LICENCE_DIR}', 'COPY LICENSE /tmp/')
+    monkeypatch.setitem(globals(), 'read_dockerfile', lambda: bad)
+    for target in ('cuda', 'rocm'):
+        with pytest.raises(AssertionError):
+            test_target_carries_the_licence_files(target)
