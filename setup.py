@@ -178,11 +178,12 @@ setup(
     description="megatron-core with the fork's distributed-training fixes (see patches/<base>/)",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
-    # Upstream's wheels say "License: Apache 2.0" next to the classifier "BSD License", while
-    # their licence text (LICENSE, Megatron-LM's) is BSD-3-Clause for every file that notes no
-    # other licence; the fork's own files are BSD-3-Clause too (NOTICE). Both files ship in the
-    # wheel's .dist-info/licenses/ (tests/tooling/test_clean_builds.py).
-    license_expression="BSD-3-Clause",
+    # Upstream's wheels say "License: Apache 2.0" next to the classifier "BSD License". Their
+    # licence text (LICENSE, Megatron-LM's) is BSD-3-Clause for every file that notes no other
+    # licence, then the Apache-2.0 and MIT licences of third-party code the wheel includes (files
+    # headed so); the fork's own files are BSD-3-Clause (NOTICE). Both files ship in the wheel's
+    # .dist-info/licenses/ (tests/tooling/test_clean_builds.py).
+    license_expression="BSD-3-Clause AND Apache-2.0 AND MIT",
     license_files=["LICENSE", "NOTICE"],
     python_requires=">=3.12",
     packages=packages(),
