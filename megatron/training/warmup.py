@@ -54,7 +54,8 @@ class WarmupReport:
     drained; groups whose own calibration was kept), each step's loss and time, the steps the
     loss scaler skipped, the wall time, and ``one_time_cost``: the first step's time minus the
     median of the later ones (None with one step), i.e. what the warmup moved out of the real
-    run."""
+    run, and ``graphs_compiled``: the torch.compile graphs (``jit_fuser`` fusions) compiled
+    during the steps, which the real run would otherwise compile in its first iterations."""
 
     num_steps: int = 0
     host_staging_bytes: int = 0
@@ -66,6 +67,7 @@ class WarmupReport:
     skipped_steps: int = 0
     one_time_cost: Optional[float] = None
     seconds: float = 0.0
+    graphs_compiled: int = 0
 
 
 def _unsupported(what: str) -> WarmupUnsupportedError:
@@ -374,6 +376,15 @@ def _restore_state(snapshot, report, setup: _LoopSetup, step_failed: bool) -> No
         print_rank_0(f'[warmup] restore after a failed step also failed: {restore_error!r}')
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 without dynamo)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return counters['stats']['unique_graphs']
+
+
 def _log_report(report: WarmupReport) -> None:
     """Wait for every rank, so that all start their first real step together, and log."""
     from megatron.training.utils import print_rank_0
@@ -390,6 +401,7 @@ def _log_report(report: WarmupReport) -> None:
         )
     if report.skipped_steps:
         cost += f'; {report.skipped_steps} skipped by the loss scaler'
+    cost += f'; {report.graphs_compiled} torch.compile graphs compiled'
     print_rank_0(
         f'[warmup] Ran {report.num_steps} warmup train steps in {report.seconds:.2f}s ({cost}) '
         'and restored the model, optimizer, scheduler, RNG and counters '
@@ -447,10 +459,12 @@ def run_warmup(
     report = WarmupReport(num_steps=num_steps, host_staging_bytes=snapshot.nbytes)
     setup = _LoopSetup(model, config, param_sync_func, args)
     step_failed = True
+    graphs_before = _compiled_graphs()
     try:
         _run_steps(train_step_func, step_args, setup, optimizer, report, args)
         step_failed = False
     finally:
+        report.graphs_compiled = _compiled_graphs() - graphs_before
         setup.restore()
         _restore_state(snapshot, report, setup, step_failed)
         gc.collect()  # the warmup's garbage, now rather than inside the first real iterations

@@ -1,0 +1,68 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
+import inspect
+
+import pytest
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+# Per-expert token counts of successive steps, as SequentialMLP splits them: every count >= 2
+# first, then an expert with one token, one with none, and the probs slice of the second expert
+# starting at offset 0 or 1.
+STEPS = [[5, 4, 3, 6], [7, 2, 5, 3], [1, 4, 5, 2], [2, 0, 4, 6], [0, 3, 4, 1], [5, 4, 3, 6]]
+
+
+def _graphs(name):
+    return len(_debug_get_cache_entry_list(inspect.unwrap(getattr(fused_bias_swiglu, name))))
+
+
+@pytest.mark.skipif(jit.jit_fuser is not torch.compile, reason="jit_fuser is not torch.compile")
+class TestWeightedSwiGLURecompiles:
+    """The experts' weighted SwiGLU runs on the tokens routed to each expert, a count that changes
+    with the data. torch.compile used to compile a static graph first, a dynamic one on the
+    second count, and own graphs for counts and probs offsets of 0 and 1, so MoE runs kept
+    recompiling mid-run until the recompile limit sent the rest to eager. One graph of each
+    direction now serves every count."""
+
+    def setup_method(self, method):
+        torch._dynamo.reset()
+
+    def teardown_method(self, method):
+        torch._dynamo.reset()
+
+    def _step(self, counts, device):
+        gen = torch.Generator().manual_seed(sum(counts))
+        hidden = torch.randn(sum(counts), 16, generator=gen).to(device).requires_grad_()
+        probs = torch.rand(sum(counts), generator=gen).to(device).requires_grad_()
+        # Each expert's activation input has its own storage (its linear_fc1's output); its
+        # routing probs are a slice of the permuted probs.
+        outs = [
+            weighted_bias_swiglu_impl(tokens * 2, None, weights.unsqueeze(-1))
+            for tokens, weights in zip(torch.split(hidden, counts), torch.split(probs, counts))
+        ]
+        torch.cat(outs).float().pow(2).sum().backward()
+        return hidden.grad, probs.grad, outs
+
+    def test_one_graph_for_every_token_count(self):
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+        compiled = []
+        for counts in STEPS:
+            before = {n: _graphs(n) for n in ('weighted_swiglu', 'weighted_swiglu_back')}
+            self._step(counts, device)
+            compiled.append({n: _graphs(n) - before[n] for n in before})
+        assert compiled[0] == {'weighted_swiglu': 1, 'weighted_swiglu_back': 1}
+        assert compiled[1:] == [{'weighted_swiglu': 0, 'weighted_swiglu_back': 0}] * 5
+
+    def test_matches_eager(self):
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+        for counts in STEPS:
+            got = self._step(counts, device)
+            with torch.compiler.set_stance('force_eager'):
+                want = self._step(counts, device)
+            torch.testing.assert_close(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1])
+            torch.testing.assert_close(torch.cat(got[2]), torch.cat(want[2]))
