@@ -18,7 +18,8 @@
 #   ag4   4 experts, allgather;  a2a4  4 experts, alltoall
 #   dense the same model without experts (SwiGLU MLP): the control
 # Arms: pristine (PRISTINE_TREE, compiled), eager (PRISTINE_TREE, TORCHDYNAMO_DISABLE=1: the
-# eager fused functions), fork (FORK_TREE), fork-warmup5 (FORK_TREE, --warmup-train-steps 5).
+# eager fused functions), fork (FORK_TREE), fork-warmup5 (FORK_TREE, --warmup-train-steps 5),
+# alt (the tree ALT_TREE names: a candidate).
 # Every arm logs dynamo's recompiles (TORCH_LOGS=recompiles). MODELS="..." and ARMS="..." choose;
 # the loop runs repeat by repeat, model by model, so the arms of one model run back to back.
 # Logs: $OUT (default build/moe-speed-logs)/<model>-<arm>-<TAG><rep>.log;
@@ -57,7 +58,7 @@ for rep in $(seq 1 "$repeats"); do
         pristine) tree=$pristine ;;
         eager) tree=$pristine env_extra=(TORCHDYNAMO_DISABLE=1) ;;
         fork) ;;
-        fork-eagerroute) tree=$EAGERROUTE_TREE ;;
+        alt) tree=${ALT_TREE:?the alt arm runs the tree ALT_TREE names} ;;
         fork-warmup*) extra=(--warmup-train-steps "${arm#fork-warmup}") ;;
         *) echo "unknown arm $arm" >&2; exit 2 ;;
       esac
