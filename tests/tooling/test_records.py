@@ -196,6 +196,18 @@ BAD_RECORDS = {
         'bases = { "0.19.2" = "carried", "0.17.1" = "carried" }',
         "base '0.17.1' is not maintained",
     ),
+    "family-unknown": (
+        'family = "statistics"\n',
+        'family = "stats"\n',
+        "expert-tp-param-dedup: family 'stats' is not one of warmup, microbatches, checkpoints, "
+        "moe, statistics, other",
+    ),
+    "family-missing": (
+        'family = "warmup"\n',
+        "",
+        "ddp-reset-grad-ready-calibration: missing family (family: one of warmup, microbatches, "
+        "checkpoints, moe, statistics, other)",
+    ),
 }
 
 

@@ -26,6 +26,16 @@ UPSTREAM_URL = "https://github.com/NVIDIA/Megatron-LM"
 FORK_AUTHOR = "megatron-fork <megatron-fork@users.noreply.github.com>"
 GROUPS = ("fork", "backports")
 FORWARDED_WORDS = ("no", "not-needed")
+# A change's family: what it touches, for the reader of docs/changes.md (one heading each, in
+# this order).
+FAMILIES = {
+    "warmup": "Warmup and calibration",
+    "microbatches": "Microbatches and the training loop",
+    "checkpoints": "Checkpoints and resume (distributed optimizer, scheduler, param groups)",
+    "moe": "MoE gradients and routing (router losses, experts, MTP, speed)",
+    "statistics": "Statistics (grad norm, param norm, zero counts, logging)",
+    "other": "Other",
+}
 # The trailers the tool writes, in this order; a patch's last paragraph holds exactly these.
 TRAILER_KEYS = ("Origin", "Bug", "Forwarded", "Applied-Upstream", "Requires", "Fork-Change")
 README_BEGIN = (
@@ -42,6 +52,7 @@ _KEYS = {
     "group": str,
     "subject": str,
     "summary": str,
+    "family": str,
     "author": str,
     "upstream_commit": str,
     "forwarded": (str, int, list),
@@ -53,7 +64,7 @@ _KEYS = {
     "docs": list,
     "bases": dict,
 }
-_REQUIRED = ("number", "group", "subject", "summary", "forwarded", "tests", "bases")
+_REQUIRED = ("number", "group", "subject", "summary", "family", "forwarded", "tests", "bases")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -67,6 +78,7 @@ class Change:
         group: ``fork`` (the fork's own) or ``backports`` (an upstream commit carried).
         subject: the patch's subject line.
         summary: what it fixes, for users (the README row).
+        family: what it touches, a key of :data:`FAMILIES` (its heading in docs/changes.md).
         forwarded: DEP-3 ``Forwarded``: ``"no"``, ``"not-needed"`` or upstream PR numbers.
         note: a few words on the upstream state the fields cannot say.
         applied: where upstream has the change: ``{ref, commit?, pr?}``.
@@ -85,6 +97,7 @@ class Change:
     subject: str
     summary: str
     forwarded: object
+    family: str = ""
     note: str = ""
     applied: dict = field(default_factory=dict)
     author: str = ""
@@ -124,10 +137,13 @@ def parse(table, maintained=None):
                 _fail(slug, f"{key} has the wrong type ({type(value).__name__})")
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
-            _fail(slug, f"missing {', '.join(missing)}")
+            hint = f" (family: one of {', '.join(FAMILIES)})" if "family" in missing else ""
+            _fail(slug, f"missing {', '.join(missing)}{hint}")
         change = Change(slug=slug, **raw)
         if change.group not in GROUPS:
             _fail(slug, f"group {change.group!r} is not one of {', '.join(GROUPS)}")
+        if change.family not in FAMILIES:
+            _fail(slug, f"family {change.family!r} is not one of {', '.join(FAMILIES)}")
         fwd = change.forwarded
         if isinstance(fwd, str) and fwd not in FORWARDED_WORDS:
             _fail(slug, f"forwarded {fwd!r}: use no, not-needed or upstream PR numbers")
