@@ -8,6 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
+sys.path.insert(0, str(REPO / "tools"))
+
+from megatron_fork import records, upstream  # noqa: E402  pylint: disable=wrong-import-position
 
 # Forms the project has left: the single series file, the old trailers, the old message heading,
 # an old dev pin. (Results are records of their day and keep their words.)
@@ -33,9 +36,12 @@ def tracked_text_files():
 
 
 def test_the_readme_is_short_and_starts_with_the_routes():
-    """At most 130 lines; the set-up commands and the three routes come before the change table."""
+    """At most 100 lines, however many changes there are (their table is docs/changes.md, not a
+    README row each); the set-up commands and the three routes come first."""
     lines = README.splitlines()
-    assert len(lines) <= 130, len(lines)
+    assert len(lines) <= 100, len(lines)
+    rows = [ln for ln in lines if re.match(r"^\| \d{4} `", ln)]
+    assert not rows, f"the README holds change rows (their place is docs/changes.md): {rows[:3]}"
     heads = [ln for ln in lines if ln.startswith("## ")]
     assert heads[:4] == [
         "## Set-up on a fresh machine (two commands)",
@@ -43,6 +49,35 @@ def test_the_readme_is_short_and_starts_with_the_routes():
         "## 2. Cherry-pick one fix onto your Megatron-LM",
         "## 3. Build CI containers",
     ], heads
+
+
+def test_docs_changes_lists_every_record_under_its_family():
+    """docs/changes.md: one row per record, under the heading of the record's family, in number
+    order within a family; the README's change-count line names the number of records."""
+    changes = records.load(
+        REPO / "patches", upstream.load_pin(REPO / "patches" / "upstream.toml")["maintained"]
+    )
+    text = (REPO / "docs" / "changes.md").read_text()
+    block = text.split(records.CHANGES_BEGIN + "\n", 1)[1].split(records.CHANGES_END, 1)[0]
+    under, heading = {}, None
+    for line in block.splitlines():
+        if line.startswith("## "):
+            heading = line[3:]
+            assert heading not in under, f"heading {heading!r} twice"
+            under[heading] = []
+        m = re.match(r"^\| (\d{4}) `([\w-]+)` \|", line)
+        if m:
+            assert heading is not None, f"row {m.group(2)} before any heading"
+            under[heading].append((int(m.group(1)), m.group(2)))
+    want = {}
+    for c in changes.values():
+        want.setdefault(records.FAMILIES[c.family], []).append((c.number, c.slug))
+    assert under == {h: sorted(rows) for h, rows in want.items()}
+    assert list(under) == [h for h in records.FAMILIES.values() if h in want]
+    count = README.split(records.COUNT_BEGIN + "\n", 1)[1].split(records.COUNT_END, 1)[0]
+    assert len(count.splitlines()) == 1, count
+    assert int(re.match(r"^(\d+) changes\b", count).group(1)) == len(changes), count
+    assert "`docs/changes.md`" in count, count
 
 
 def test_no_document_names_a_left_form():

@@ -1,9 +1,11 @@
 """The change records (patches/changes.toml) are the one place a change's facts live.
 
-The README's change table and every patch's trailers, author and opening line are generated
-from them: `tools/fork.py records` and `check` fail on any disagreement, naming the file, and
-`records --write` puts it right. These tests run on a copy of this repository's own patches/
-and README.md, so they also pin that the committed files agree with the records.
+The change table of docs/changes.md (one heading per family), the README's count of the
+changes, tests/README.md's map to the tests and every patch's trailers, author and opening line
+are generated from them: `tools/fork.py records` and `check` fail on any disagreement, naming the
+file, and `records --write` puts it right. These tests run on a copy of this repository's own
+patches/, docs/changes.md and README.md, so they also pin that the committed files agree with the
+records.
 """
 
 import re
@@ -20,15 +22,19 @@ sys.path.insert(0, str(REPO / "tools"))
 from megatron_fork import records, upstream  # noqa: E402  pylint: disable=wrong-import-position
 
 PIN = upstream.load_pin(REPO / "patches" / "upstream.toml")
+N_CHANGES = len(records.load(REPO / "patches", PIN["maintained"]))
 
 
 @pytest.fixture
 def copy(tmp_path):
-    """A copy of tools/, patches/ and README.md: a workspace the tests may break."""
+    """A copy of tools/, patches/, README.md, docs/changes.md and tests/README.md: a workspace
+    the tests may break."""
     root = tmp_path / "repo"
     shutil.copytree(REPO / "tools", root / "tools", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "patches", root / "patches")
     shutil.copy(REPO / "README.md", root / "README.md")
+    (root / "docs").mkdir()
+    shutil.copy(REPO / "docs" / "changes.md", root / "docs" / "changes.md")
     (root / "tests").mkdir()
     shutil.copy(REPO / "tests" / "README.md", root / "tests" / "README.md")
     return root
@@ -52,7 +58,8 @@ def edit(path, old, new):
 
 
 def test_the_committed_files_agree_with_the_records():
-    """README table, trailers, backport authors and opening lines: generated, not hand-kept."""
+    """Change table, README count, trailers, backport authors and opening lines: generated, not
+    hand-kept."""
     assert records.plan(REPO / "patches", PIN).drift() == []
     changes = records.load(REPO / "patches", PIN["maintained"])
     carried = {
@@ -77,11 +84,17 @@ def test_the_committed_files_agree_with_the_records():
 
 P18, P19, DEV = "patches/0.18.2", "patches/0.19.2", "patches/dev"
 HAND_EDITS = {
-    "readme-row": (
-        "README.md",
+    "changes-row": (
+        "docs/changes.md",
         "| 0013 `ddp-grad-ready-microbatch-count` | with",
         "| 0013 `ddp-grad-ready-microbatch-count` | With",
     ),
+    "changes-heading": (
+        "docs/changes.md",
+        "## Warmup and calibration\n",
+        "## Warmup and DDP calibration\n",
+    ),
+    "readme-count": ("README.md", f"\n{N_CHANGES} changes,", f"\n{N_CHANGES + 1} changes,"),
     "tests-readme": (
         "tests/README.md",
         "| 0021 `expert-gtp-grad-sync` | `tests/test_expert_gtp_grads.py` |",
@@ -119,7 +132,7 @@ def test_a_hand_edit_of_a_generated_place_fails_records_and_check(copy, target, 
     proc = fork(copy, "records")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"1 file(s) disagree with patches/changes.toml: {target}" in proc.stderr
-    base = target.split("/")[1] if target.startswith("patches/") else "0.18.2"  # README: any
+    base = target.split("/")[1] if target.startswith("patches/") else "0.18.2"  # docs: any
     proc = fork(copy, "check", "--base", base, "--offline", "--wheel-dir", str(copy / "none"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{target} disagrees with patches/changes.toml" in proc.stderr
@@ -129,13 +142,14 @@ def test_a_hand_edit_of_a_generated_place_fails_records_and_check(copy, target, 
     assert fork(copy, "records").returncode == 0
 
 
-def test_a_record_change_reaches_every_base_and_the_readme(copy):
-    """One edit of a record rewrites the README row and the patch on each base that carries it."""
+def test_a_record_change_reaches_every_base_and_the_change_table(copy):
+    """One edit of a record rewrites its docs/changes.md row and the patch on each base that
+    carries it."""
     edit(copy / "patches" / "changes.toml", 'forwarded = 7132\n', 'forwarded = [7132, 9999]\n')
     proc = fork(copy, "records", "--write")
     assert proc.returncode == 0, proc.stderr
     wrote = sorted(re.findall(r"wrote (\S+)", proc.stdout))
-    assert wrote == ["README.md"] + sorted(
+    assert wrote == ["docs/changes.md"] + sorted(
         f"patches/{b}/fork/0020-layer-wise-param-norm-overlap.patch" for b in PIN["maintained"]
     )
     for b in PIN["maintained"]:
@@ -144,9 +158,50 @@ def test_a_record_change_reaches_every_base_and_the_readme(copy):
         ).read_text()
         assert "Forwarded: https://github.com/NVIDIA/Megatron-LM/pull/7132 " in text
         assert "https://github.com/NVIDIA/Megatron-LM/pull/9999 (open" in text
-    assert "upstream PR 7132, 9999" in (copy / "README.md").read_text()
+    assert "upstream PR 7132, 9999" in (copy / "docs" / "changes.md").read_text()
     # A second write changes no byte.
     assert "no byte changed" in fork(copy, "records", "--write").stdout
+
+
+def test_a_family_edit_moves_the_row_under_the_other_heading(copy):
+    """A record's family is its heading in docs/changes.md: a new family moves the row (in number
+    order there), and a family left without changes loses its heading; nothing else changes."""
+    edit(
+        copy / "patches" / "changes.toml",
+        'family = "other"\n',  # 0012, the only one
+        'family = "checkpoints"\n',
+    )
+    proc = fork(copy, "records", "--write")
+    assert proc.returncode == 0, proc.stderr
+    assert re.findall(r"wrote (\S+)", proc.stdout) == ["docs/changes.md"]
+    text = (copy / "docs" / "changes.md").read_text()
+    assert "\n## Other\n" not in text
+    section = text.split("\n## Checkpoints and resume", 1)[1].split("\n## ", 1)[0]
+    numbers = re.findall(r"(?m)^\| (\d{4}) `", section)
+    assert numbers[:2] == ["0012", "0014"] and numbers == sorted(numbers), numbers
+
+
+def test_a_new_record_adds_its_row_and_counts_in_the_readme(copy):
+    """A new record (no base carries it yet): its row under its family and in tests/README.md's
+    map, the README's count one more; no patch is touched."""
+    with open(copy / "patches" / "changes.toml", "a") as f:
+        f.write(
+            '\n[changes.example-new-change]\nnumber = 999\ngroup = "fork"\n'
+            'subject = "example: a new change"\nsummary = "an example"\nfamily = "statistics"\n'
+            'forwarded = "no"\ntests = []\nbases = {}\n'
+        )
+    proc = fork(copy, "records", "--write")
+    assert proc.returncode == 0, proc.stderr
+    wrote = sorted(re.findall(r"wrote (\S+)", proc.stdout))
+    assert wrote == ["README.md", "docs/changes.md", "tests/README.md"], wrote
+    assert f"\n{N_CHANGES + 1} changes, by family" in (copy / "README.md").read_text()
+    text = (copy / "docs" / "changes.md").read_text()
+    section = text.split("\n## Statistics", 1)[1].split("\n## ", 1)[0]
+    assert section.rstrip().endswith(
+        "| 0999 `example-new-change` | an example | not forwarded | not applicable "
+        "| not applicable | not applicable |"
+    ), section
+    assert fork(copy, "records").returncode == 0
 
 
 def test_requires_names_a_slug_that_must_come_first_or_be_upstream(copy):
@@ -195,6 +250,18 @@ BAD_RECORDS = {
         'bases = { "0.19.2" = "carried" }',
         'bases = { "0.19.2" = "carried", "0.17.1" = "carried" }',
         "base '0.17.1' is not maintained",
+    ),
+    "family-unknown": (
+        'family = "statistics"\n',
+        'family = "stats"\n',
+        "expert-tp-param-dedup: family 'stats' is not one of warmup, microbatches, checkpoints, "
+        "moe, statistics, other",
+    ),
+    "family-missing": (
+        'family = "warmup"\n',
+        "",
+        "ddp-reset-grad-ready-calibration: missing family (family: one of warmup, microbatches, "
+        "checkpoints, moe, statistics, other)",
     ),
 }
 

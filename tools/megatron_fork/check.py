@@ -83,7 +83,8 @@ def metadata_failures(base, patch_dir, changes):
 def check_metadata(pin, base, ws):
     """Raise ForkError (exit 1) naming every problem of ``base``'s series that needs no upstream
     tree: series vs files, trailers, message length, change records, source files, and every
-    file generated from the records (README table, trailers) that disagrees with them.
+    file generated from the records (docs/changes.md, the README's count, trailers) that
+    disagrees with them.
 
     Args:
         pin: the loaded pin.

@@ -291,7 +291,9 @@ def build_parser(ws):
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(
-        "records", help="README table and patch trailers against patches/changes.toml"
+        "records",
+        help="docs/changes.md, the README's count, tests/README.md and patch trailers against "
+        "patches/changes.toml",
     )
     p.add_argument("--write", action="store_true", help="rewrite the files that disagree")
     p.set_defaults(func=cmd_records)

@@ -7,8 +7,9 @@ records the tool writes:
 
 - the trailer block of every patch of every base (and, for a backport, its upstream author in
   ``From:`` and the ``commit <sha> upstream.`` line that opens its message);
-- the README's change table between ``<!-- changes -->`` markers, and tests/README.md's map from
-  each change to its tests.
+- docs/changes.md's change table between ``<!-- changes -->`` markers, one heading per family;
+  the README's count of the changes between ``<!-- change-count -->`` markers; and
+  tests/README.md's map from each change to its tests.
 
 ``drift`` names every place that disagrees with the records; ``check`` fails on it, and
 ``tools/fork.py records --write`` rewrites those places. Only the standard library is used.
@@ -26,12 +27,27 @@ UPSTREAM_URL = "https://github.com/NVIDIA/Megatron-LM"
 FORK_AUTHOR = "megatron-fork <megatron-fork@users.noreply.github.com>"
 GROUPS = ("fork", "backports")
 FORWARDED_WORDS = ("no", "not-needed")
+# A change's family: what it touches, for the reader of docs/changes.md (one heading each, in
+# this order).
+FAMILIES = {
+    "warmup": "Warmup and calibration",
+    "microbatches": "Microbatches and the training loop",
+    "checkpoints": "Checkpoints and resume (distributed optimizer, scheduler, param groups)",
+    "moe": "MoE gradients and routing (router losses, experts, MTP, speed)",
+    "statistics": "Statistics (grad norm, param norm, zero counts, logging)",
+    "other": "Other",
+}
 # The trailers the tool writes, in this order; a patch's last paragraph holds exactly these.
 TRAILER_KEYS = ("Origin", "Bug", "Forwarded", "Applied-Upstream", "Requires", "Fork-Change")
-README_BEGIN = (
+CHANGES_DOC = "docs/changes.md"
+CHANGES_BEGIN = (
     "<!-- changes: generated from patches/changes.toml by `tools/fork.py records --write` -->"
 )
-README_END = "<!-- /changes -->"
+CHANGES_END = "<!-- /changes -->"
+COUNT_BEGIN = (
+    "<!-- change-count: generated from patches/changes.toml by `tools/fork.py records --write` -->"
+)
+COUNT_END = "<!-- /change-count -->"
 TESTS_BEGIN = (
     "<!-- change-tests: generated from patches/changes.toml by `tools/fork.py records --write` -->"
 )
@@ -42,6 +58,7 @@ _KEYS = {
     "group": str,
     "subject": str,
     "summary": str,
+    "family": str,
     "author": str,
     "upstream_commit": str,
     "forwarded": (str, int, list),
@@ -53,7 +70,7 @@ _KEYS = {
     "docs": list,
     "bases": dict,
 }
-_REQUIRED = ("number", "group", "subject", "summary", "forwarded", "tests", "bases")
+_REQUIRED = ("number", "group", "subject", "summary", "family", "forwarded", "tests", "bases")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -66,7 +83,8 @@ class Change:
         number: the order of application, the same on every base.
         group: ``fork`` (the fork's own) or ``backports`` (an upstream commit carried).
         subject: the patch's subject line.
-        summary: what it fixes, for users (the README row).
+        summary: what it fixes, for users (its row in docs/changes.md).
+        family: what it touches, a key of :data:`FAMILIES` (its heading in docs/changes.md).
         forwarded: DEP-3 ``Forwarded``: ``"no"``, ``"not-needed"`` or upstream PR numbers.
         note: a few words on the upstream state the fields cannot say.
         applied: where upstream has the change: ``{ref, commit?, pr?}``.
@@ -85,6 +103,7 @@ class Change:
     subject: str
     summary: str
     forwarded: object
+    family: str = ""
     note: str = ""
     applied: dict = field(default_factory=dict)
     author: str = ""
@@ -124,10 +143,13 @@ def parse(table, maintained=None):
                 _fail(slug, f"{key} has the wrong type ({type(value).__name__})")
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
-            _fail(slug, f"missing {', '.join(missing)}")
+            hint = f" (family: one of {', '.join(FAMILIES)})" if "family" in missing else ""
+            _fail(slug, f"missing {', '.join(missing)}{hint}")
         change = Change(slug=slug, **raw)
         if change.group not in GROUPS:
             _fail(slug, f"group {change.group!r} is not one of {', '.join(GROUPS)}")
+        if change.family not in FAMILIES:
+            _fail(slug, f"family {change.family!r} is not one of {', '.join(FAMILIES)}")
         fwd = change.forwarded
         if isinstance(fwd, str) and fwd not in FORWARDED_WORDS:
             _fail(slug, f"forwarded {fwd!r}: use no, not-needed or upstream PR numbers")
@@ -241,7 +263,7 @@ def _base_cell(change, base):
 
 
 def upstream_words(change):
-    """The README's upstream column of ``change``."""
+    """The upstream column of ``change``'s row in docs/changes.md."""
     if change.group == "backports":
         words = f"backport of `{change.upstream_commit[:10]}`"
         if change.applied:
@@ -260,17 +282,36 @@ def upstream_words(change):
     return words
 
 
-def readme_table(changes, bases):
-    """The README's change table (markdown lines, markers excluded)."""
-    lines = [
-        "| change | what it fixes | upstream | " + " | ".join(bases) + " |",
-        "|---|---|---|" + "---|" * len(bases),
-    ]
-    for c in changes.values():
-        cells = [f"{c.number:04d} `{c.slug}`", c.summary, upstream_words(c)]
-        cells += [_base_cell(c, b) for b in bases]
-        lines.append("| " + " | ".join(cells) + " |")
+def changes_table(changes, bases):
+    """docs/changes.md's change table (markdown lines, markers excluded): a heading per family
+    that has changes, in :data:`FAMILIES` order, over its changes in number order."""
+    lines = []
+    for family, heading in FAMILIES.items():
+        members = [c for c in changes.values() if c.family == family]
+        if not members:
+            continue
+        if lines:
+            lines.append("")
+        lines += [
+            f"## {heading}",
+            "",
+            "| change | what it fixes | upstream | " + " | ".join(bases) + " |",
+            "|---|---|---|" + "---|" * len(bases),
+        ]
+        for c in sorted(members, key=lambda c: c.number):
+            cells = [f"{c.number:04d} `{c.slug}`", c.summary, upstream_words(c)]
+            cells += [_base_cell(c, b) for b in bases]
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def count_line(changes):
+    """The README's line between the change-count markers: how many changes, and where the
+    table is."""
+    return [
+        f"{len(changes)} changes, by family, with where each stands upstream and on each base:"
+        f" `{CHANGES_DOC}`."
+    ]
 
 
 def tests_table(changes):
@@ -302,8 +343,9 @@ class Plan:
 
 
 def plan(patch_root, pin):
-    """Return the Plan of a ``patches/`` folder: every patch of every maintained base, and the
-    README beside ``patches/``. Paths are relative to the folder above ``patches/``."""
+    """Return the Plan of a ``patches/`` folder: every patch of every maintained base, and
+    docs/changes.md, the README and tests/README.md beside ``patches/`` (each where it exists).
+    Paths are relative to the folder above ``patches/``."""
     from . import series as series_mod  # pylint: disable=import-outside-toplevel
 
     patch_root = Path(patch_root)
@@ -311,14 +353,19 @@ def plan(patch_root, pin):
     files = {}
     if not changes:
         return Plan(files)
+    doc = patch_root.parent / CHANGES_DOC
+    if doc.is_file():
+        have = doc.read_text()
+        table = changes_table(changes, list(pin["maintained"]))
+        files[CHANGES_DOC] = (
+            have,
+            _replace_block(have, CHANGES_BEGIN, CHANGES_END, table, CHANGES_DOC),
+        )
     readme = patch_root.parent / "README.md"
     if readme.is_file():
         have = readme.read_text()
-        table = readme_table(changes, list(pin["maintained"]))
-        files["README.md"] = (
-            have,
-            _replace_block(have, README_BEGIN, README_END, table, "README.md"),
-        )
+        want = _replace_block(have, COUNT_BEGIN, COUNT_END, count_line(changes), "README.md")
+        files["README.md"] = (have, want)
     tests_readme = patch_root.parent / "tests" / "README.md"
     if tests_readme.is_file():
         have = tests_readme.read_text()
