@@ -32,11 +32,7 @@ STEPS4 = [
     [0, 3, 1, 0],  # 0 3 4 1
     [3, 2, 3, 2],
 ]
-STEPS8 = [
-    [2, 3, 2, 4, 2, 3, 2, 2],
-    [1, 0, 5, 0, 1, 6, 0, 3],
-    [0, 0, 7, 1, 0, 2, 2, 0],
-]
+STEPS8 = [[2, 3, 2, 4, 2, 3, 2, 2], [1, 0, 5, 0, 1, 6, 0, 3], [0, 0, 7, 1, 0, 2, 2, 0]]
 # EP 2 (world 2, 4 experts, two per rank): each rank routes its own tokens (the same number on
 # both ranks: the allgather dispatcher gathers equal shares), and an expert receives the sum.
 STEPS_EP2 = [
@@ -50,7 +46,9 @@ CASES = {
     'alltoall-4': call(1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, dispatcher='alltoall'),
     'allgather-8': call(1, FORK, MOD + 'scenario_recompiles', steps=STEPS8, experts=8),
     'allgather-ep2': call(2, FORK, MOD + 'scenario_recompiles', steps=STEPS_EP2, ep=2),
-    'quick-geglu': call(1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, activation='quick_geglu'),
+    'quick-geglu': call(
+        1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, activation='quick_geglu'
+    ),
     # With linear biases (pristine cannot train a MoE layer with biases at EP 1: change 0033).
     'quick-geglu-bias': call(
         1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, activation='quick_geglu_bias'
@@ -62,7 +60,11 @@ PRISTINE_CASES = {
         2, PRISTINE, MOD + 'scenario_recompiles', steps=STEPS_EP2, ep=2, reference=False
     ),
     'quick-geglu': call(
-        1, PRISTINE, MOD + 'scenario_recompiles', steps=STEPS4, activation='quick_geglu',
+        1,
+        PRISTINE,
+        MOD + 'scenario_recompiles',
+        steps=STEPS4,
+        activation='quick_geglu',
         reference=False,
     ),
 }

@@ -38,7 +38,11 @@ def _table(log_dir):
 
 
 def _row(out, *cells):
-    [line] = [ln for ln in out.splitlines() if [c.strip() for c in ln.split('|')[1:4]][: len(cells)] == list(cells)]
+    [line] = [
+        ln
+        for ln in out.splitlines()
+        if [c.strip() for c in ln.split('|')[1:4]][: len(cells)] == list(cells)
+    ]
     return [c.strip() for c in line.split('|')[1:-1]]
 
 

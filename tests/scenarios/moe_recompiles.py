@@ -4,9 +4,9 @@ Upstream's ``MoELayer`` (local spec: ``SequentialMLP`` experts, SwiGLU with
 ``bias_activation_fusion``, no linear biases) runs forward and backward for a list of steps. The
 router weight is set so that the routing is chosen by the input: ``counts[e]`` tokens are routed
 first to expert ``e`` and second to ``e + 1`` (mod the expert count), so expert ``e`` receives
-``counts[e - 1] + counts[e]`` tokens and every step's per-expert counts are known in advance. The steps change
-those counts the way real data does: new counts, an expert with one token or none, a probs slice
-that starts at offset 1.
+``counts[e - 1] + counts[e]`` tokens and every step's per-expert counts are known in advance.
+The steps change those counts the way real data does: new counts, an expert with one token or
+none, a probs slice that starts at offset 1.
 
 After each step the scenario reads how many graphs dynamo holds for each fused activation (its
 cache entries for the function's code): a graph compiled in a step after the first is a recompile
@@ -133,11 +133,7 @@ def _run(steps, experts, dispatcher, dtype, ep, rank, compiled, activation):
         grads = {n: p.grad.double().flatten().tolist() for n, p in layer.named_parameters()}
         grads['input'] = x.grad.double().flatten().tolist()
         per_step.append(
-            {
-                'counts': counts,
-                'compiled': {k: after[k] - before[k] for k in after},
-                'grads': grads,
-            }
+            {'counts': counts, 'compiled': {k: after[k] - before[k] for k in after}, 'grads': grads}
         )
         before = after
     return per_step, after

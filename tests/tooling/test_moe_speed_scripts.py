@@ -99,6 +99,8 @@ def test_microbench_graphs_held():
     fork, pristine = (resolve_tree(t)[1] for t in (bases.FORK, bases.PRISTINE))
     assert _bench(fork) == 2
     held = _bench(pristine)
-    assert held == 2 if bases.tree_has_fix(bases.PRISTINE, 'moe-routed-token-count-dynamic') else (
-        held > 2
+    assert (
+        held == 2
+        if bases.tree_has_fix(bases.PRISTINE, 'moe-routed-token-count-dynamic')
+        else (held > 2)
     ), held

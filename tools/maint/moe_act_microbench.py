@@ -49,6 +49,7 @@ def _sync(device):
 
 
 def main():
+    """Parse the arguments, run the steps per token total, print a line each."""
     parser = argparse.ArgumentParser()
     parser.add_argument('--eager', action='store_true')
     parser.add_argument('--tokens', type=int, nargs='+', default=[4096, 32768])
@@ -61,7 +62,9 @@ def main():
 
     for tokens in args.tokens:
         gen = torch.Generator().manual_seed(38)
-        y = torch.randn(tokens, 2 * FFN, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randn(
+            tokens, 2 * FFN, device=args.device, dtype=torch.bfloat16, requires_grad=True
+        )
         probs = torch.rand(tokens, device=args.device, requires_grad=True)
         times = []
         for _ in range(args.steps):

@@ -103,8 +103,12 @@ def table(runs):
         rec = ', '.join(f'{it}: {n}' for it, n in sorted(s['recompiles'].items())) or 'none'
         warm = '' if s['warmup'] is None else f"{s['warmup']} / {s['warmup_graphs']}"
         out.append(f"| {model} | {arm} | {rep} | {s['steady']:.1f} | {first5} | {rec} | {warm} |")
-    out += ['', '| model | run | fork / pristine | fork / eager | loss distance from pristine '
-            '(fork; eager) |', '|---|---|---|---|---|']
+    out += [
+        '',
+        '| model | run | fork / pristine | fork / eager | loss distance from pristine '
+        '(fork; eager) |',
+        '|---|---|---|---|---|',
+    ]
     for model, rep in sorted({(m, r) for m, _, r in runs}):
         arms = {a: runs[(m, a, r)] for m, a, r in runs if (m, r) == (model, rep)}
         steady = {a: (summarize(run) or {}).get('steady') for a, run in arms.items()}
@@ -114,7 +118,11 @@ def table(runs):
 
         dist = []
         for a in ('fork', 'eager'):
-            d = _loss_distance(arms[a], arms['pristine']) if a in arms and 'pristine' in arms else None
+            d = (
+                _loss_distance(arms[a], arms['pristine'])
+                if a in arms and 'pristine' in arms
+                else None
+            )
             dist.append('' if d is None else f'{d:.1e}')
         out.append(
             f"| {model} | {rep} | {ratio('fork', 'pristine')} | {ratio('fork', 'eager')} "
@@ -124,12 +132,16 @@ def table(runs):
 
 
 def main(argv=None):
+    """Print the table of the logs in the folder given; exit 2 when it holds none."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n', 1)[0])
     parser.add_argument('log_dir')
     args = parser.parse_args(argv)
     runs = load(args.log_dir)
     if not runs:
-        print(f'moe_speed_table.py: no <model>-<arm>-<tag><rep>.log in {args.log_dir}', file=sys.stderr)
+        print(
+            f'moe_speed_table.py: no <model>-<arm>-<tag><rep>.log in {args.log_dir}',
+            file=sys.stderr,
+        )
         return 2
     print('\n'.join(table(runs)))
     return 0

@@ -75,7 +75,9 @@ def routed_token_fuser(*token_args):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if not torch.compiler.is_compiling():
-                args = [_routed(a, mark_unbacked) if i in positions else a for i, a in enumerate(args)]
+                args = [
+                    _routed(a, mark_unbacked) if i in positions else a for i, a in enumerate(args)
+                ]
                 kwargs = {
                     k: _routed(v, mark_unbacked) if k in token_args else v
                     for k, v in kwargs.items()
