@@ -143,7 +143,7 @@ def test_fork_warmup_trains(ws, acc):
             ].endswith(
                 f' (first step {first:.2f}s, later ones {second:.2f}s: '
                 f'{first - second:.2f}s of one-time cost moved out of the real run; '
-                f'{res["graphs_compiled"]} torch.compile graphs compiled) and restored '
+                f'{res["compilations"]} torch.compile compilations) and restored '
                 'the model, optimizer, scheduler, RNG and counters '
                 f'({res["host_staging_bytes"] / 2**20:.1f} MiB staged in host memory)'
             )
@@ -213,12 +213,12 @@ def test_one_time_cost_is_the_first_step_minus_the_median_of_the_later_ones():
     assert res['log'][1].startswith('[warmup] Ran 4 warmup train steps in ')
     assert (
         ' (first step 5.00s, later ones 2.00s: 3.00s of one-time cost moved out of the real '
-        f'run; {res["graphs_compiled"]} torch.compile graphs compiled) and restored '
+        f'run; {res["compilations"]} torch.compile compilations) and restored '
     ) in res['log'][1]
     (res,) = _ok(ONE_TIME_COST[(5.0,)].result())
     assert res['step_error'] is None and res['step_seconds'] == [5.0]
     assert res['one_time_cost'] is None
-    assert f' (first step 5.00s; {res["graphs_compiled"]} torch.compile graphs compiled) and ' in (
+    assert f' (first step 5.00s; {res["compilations"]} torch.compile compilations) and ' in (
         res['log'][1]
     )
 

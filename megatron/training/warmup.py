@@ -54,8 +54,9 @@ class WarmupReport:
     drained; groups whose own calibration was kept), each step's loss and time, the steps the
     loss scaler skipped, the wall time, and ``one_time_cost``: the first step's time minus the
     median of the later ones (None with one step), i.e. what the warmup moved out of the real
-    run, and ``graphs_compiled``: the torch.compile graphs (``jit_fuser`` fusions) compiled
-    during the steps, which the real run would otherwise compile in its first iterations."""
+    run, and ``compilations``: the torch.compile compilations (``jit_fuser`` fusions,
+    recompiles included) during the steps, which the real run would otherwise make in its first
+    iterations."""
 
     num_steps: int = 0
     host_staging_bytes: int = 0
@@ -67,7 +68,7 @@ class WarmupReport:
     skipped_steps: int = 0
     one_time_cost: Optional[float] = None
     seconds: float = 0.0
-    graphs_compiled: int = 0
+    compilations: int = 0
 
 
 def _unsupported(what: str) -> WarmupUnsupportedError:
@@ -377,12 +378,13 @@ def _restore_state(snapshot, report, setup: _LoopSetup, step_failed: bool) -> No
 
 
 def _compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (0 without dynamo)."""
+    """Frames torch.compile has compiled in this process so far, recompiles included (0 without
+    dynamo)."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
         return 0
-    return counters['stats']['unique_graphs']
+    return counters['frames']['ok']
 
 
 def _log_report(report: WarmupReport) -> None:
@@ -401,7 +403,7 @@ def _log_report(report: WarmupReport) -> None:
         )
     if report.skipped_steps:
         cost += f'; {report.skipped_steps} skipped by the loss scaler'
-    cost += f'; {report.graphs_compiled} torch.compile graphs compiled'
+    cost += f'; {report.compilations} torch.compile compilations'
     print_rank_0(
         f'[warmup] Ran {report.num_steps} warmup train steps in {report.seconds:.2f}s ({cost}) '
         'and restored the model, optimizer, scheduler, RNG and counters '
@@ -464,7 +466,7 @@ def run_warmup(
         _run_steps(train_step_func, step_args, setup, optimizer, report, args)
         step_failed = False
     finally:
-        report.graphs_compiled = _compiled_graphs() - graphs_before
+        report.compilations = _compiled_graphs() - graphs_before
         setup.restore()
         _restore_state(snapshot, report, setup, step_failed)
         gc.collect()  # the warmup's garbage, now rather than inside the first real iterations

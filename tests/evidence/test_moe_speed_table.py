@@ -20,7 +20,7 @@ def _log(path, times, recompiles=None, warmup=None, loss_shift=0.0):
         lines += [RECOMPILE.format(fn='weighted_swiglu')] * warmup
         lines.append(
             '[warmup] Ran 5 warmup train steps in 9.00s (first step 5.00s; '
-            f'{warmup} torch.compile graphs compiled) and restored the model'
+            f'{warmup} torch.compile compilations) and restored the model'
         )
     for it, ms in enumerate(times, 1):
         lines += [RECOMPILE.format(fn='weighted_swiglu_back')] * (recompiles or {}).get(it, 0)

@@ -490,7 +490,7 @@ def scenario_end_to_end(
             out['host_staging_bytes'] = report.host_staging_bytes
             out['step_seconds'] = report.step_seconds
             out['one_time_cost'] = report.one_time_cost
-            out['graphs_compiled'] = report.graphs_compiled
+            out['compilations'] = report.compilations
             return report
 
     run = _RealRun(trainer, scheduler, args, accumulation, warmup=warmup)

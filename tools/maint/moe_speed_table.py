@@ -24,7 +24,7 @@ ITERATION = re.compile(
 LOSS = re.compile(r'lm loss: (?P<loss>[\d.E+-]+)')
 RECOMPILE = re.compile(r'Recompiling function (?P<fn>\w+)')
 WARMUP = re.compile(r'\[warmup\] Ran (?P<steps>\d+) warmup train steps')
-GRAPHS = re.compile(r'(?P<graphs>\d+) torch\.compile graphs compiled')
+GRAPHS = re.compile(r'(?P<graphs>\d+) torch\.compile (graphs compiled|compilations)')
 
 
 def parse_log(text):

@@ -13,13 +13,20 @@ each get a graph of their own, so new graphs keep being compiled mid-run until t
 limit (8 per function) sends the rest to eager.
 
 ``routed_token_fuser(*names)`` compiles like ``jit_fuser`` and marks dimension 0 of the named
-tensor arguments unbacked on every call, so dynamo traces one graph with a symbolic token count
-(including 0 and 1) the first time and never guards on the count again. The fused functions are
-called inside autograd functions, with grad mode off; there the tensors are also passed detached
-(dynamo guards on a view's base and on ``requires_grad``), and a tensor that starts inside its
-storage (the probs slice of every expert but the first) as a copy that starts at offset 0
-(dynamo specializes storage offsets of 0 and 1 as it does sizes). The copy is of one value per
-token.
+tensor arguments dynamic on every call (``torch._dynamo.maybe_mark_dynamic``: a hint, never an
+error), so the first call traces the one graph that every later count of 2 or more tokens runs
+(the graph that pristine reaches after its first recompiles and keeps for such counts). Counts
+of 0 and 1, whose graphs would be specializations of their own, run the same function eagerly
+(``torch.compiler.set_stance("force_eager")``): there is at most one token to compute. The fused
+functions are called inside autograd functions, with grad mode off; there the tensors are also
+passed detached (dynamo guards on a view's base and on ``requires_grad``), and a tensor that
+starts inside its storage (the probs slice of every expert but the first) as a copy that starts
+at offset 0 (dynamo specializes storage offsets of 0 and 1 as it does sizes). The copy is of one
+value per token.
+
+(``torch._dynamo.decorators.mark_unbacked`` would take 0 and 1 into the graph too, but its
+kernels cannot assume 32-bit indexing: on an H100 they made the experts' activations up to 1.4x
+slower than the graph of a dynamic count.)
 """
 
 import functools
@@ -30,18 +37,9 @@ import torch
 from megatron.core import jit
 
 
-def _mark_unbacked():
-    """``torch._dynamo.decorators.mark_unbacked``, or None on a torch without it."""
-    try:
-        from torch._dynamo.decorators import mark_unbacked
-    except ImportError:
-        return None
-    return mark_unbacked
-
-
-def _routed(arg, mark_unbacked):
-    """``arg`` as the compiled function should see it: dimension 0 unbacked, and the same guards
-    on every call.
+def _routed(arg):
+    """``arg`` as the compiled function should see it: dimension 0 dynamic, and the same guards on
+    every call.
 
     Inside an autograd function (grad mode off) ``arg`` is detached (no view base whose size
     dynamo would guard on, and the same ``requires_grad`` whether or not the caller's tensor has
@@ -53,35 +51,34 @@ def _routed(arg, mark_unbacked):
         arg = arg.detach()
         if arg.storage_offset() != 0:
             arg = arg.clone()
-    mark_unbacked(arg, 0)
+    torch._dynamo.maybe_mark_dynamic(arg, 0)
     return arg
 
 
 def routed_token_fuser(*token_args):
     """Decorator: ``jit_fuser`` with dimension 0 of the arguments named ``token_args`` marked as a
-    data-dependent token count.
+    data-dependent token count where they are passed by position (as every caller in megatron
+    does); calls with fewer than 2 tokens run eagerly.
 
-    Where ``jit_fuser`` is not ``torch.compile`` (older torch: TorchScript; or a no-op) the
-    function is decorated by ``jit_fuser`` alone.
+    Where ``jit_fuser`` is not ``torch.compile`` (older torch: TorchScript; or a no-op), or torch
+    has no ``torch.compiler.set_stance``, the function is decorated by ``jit_fuser`` alone.
     """
 
     def decorate(fn):
         compiled = jit.jit_fuser(fn)
-        mark_unbacked = _mark_unbacked()
-        if jit.jit_fuser is not torch.compile or mark_unbacked is None:
+        if jit.jit_fuser is not torch.compile or not hasattr(torch.compiler, 'set_stance'):
             return compiled
         positions = [list(inspect.signature(fn).parameters).index(name) for name in token_args]
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if not torch.compiler.is_compiling():
-                args = [
-                    _routed(a, mark_unbacked) if i in positions else a for i, a in enumerate(args)
-                ]
-                kwargs = {
-                    k: _routed(v, mark_unbacked) if k in token_args else v
-                    for k, v in kwargs.items()
-                }
+            if torch.compiler.is_compiling():
+                return compiled(*args, **kwargs)
+            tokens = [args[i] for i in positions if i < len(args)]
+            if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) < 2 for t in tokens):
+                with torch.compiler.set_stance('force_eager'):
+                    return compiled(*args, **kwargs)
+            args = [_routed(a) if i in positions else a for i, a in enumerate(args)]
             return compiled(*args, **kwargs)
 
         return call
