@@ -344,3 +344,16 @@ def test_restore_clears_every_loss_tracker():
     assert all(value > 0 for value in res['after_step'].values()), res
     assert sorted(res['after_step']) == ['dsa', 'mtp'], res
     assert res['after_clean_up'] == {name: 0.0 for name in res['after_step']}
+
+
+COMPILATIONS = call(1, FORK, S + 'scenario_compilations', steps=3)
+
+
+def test_the_report_counts_the_compilations_of_its_steps():
+    """A forward step that runs upstream's compiled ``swiglu`` on a new row count at each call:
+    the report counts what dynamo compiled during the steps (the graphs it then holds for
+    ``swiglu``: a static one and a dynamic one), and the log line says so."""
+    (res,) = _ok(COMPILATIONS.result())
+    assert res['graphs'] == 2, res
+    assert res['compilations'] == res['graphs']
+    assert f'; {res["graphs"]} torch.compile compilations) and restored ' in res['log'][0]

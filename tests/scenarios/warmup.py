@@ -20,6 +20,7 @@ Arms:
 import contextlib
 import functools
 import hashlib
+import inspect
 import io
 import random
 import sys
@@ -1019,3 +1020,51 @@ def _fault_against_none(results):
         and fault['losses'] == results['none']['losses']
     )
     return fault
+
+
+@_device_rng
+def scenario_compilations(ctx, steps=3):
+    """The report's ``compilations``: the forward step also runs upstream's ``swiglu`` (a
+    ``jit_fuser`` function) on one more row at each call, so dynamo compiles a static graph and
+    then a dynamic one during the warmup. Returns the report's count and, as the reference, the
+    graphs dynamo holds for ``swiglu`` (none before the warmup: ``torch._dynamo.reset()``)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from megatron.core.fusions import fused_bias_swiglu
+
+    init_parallel()
+    trainer, scheduler, args = _build(ctx, 'bf16', True, True, 1)
+    torch._dynamo.reset()
+    rows = iter(range(5, 100))
+
+    def forward_step(data_iterator, model):
+        output, loss_func = _forward_step(data_iterator, model)
+        extra = fused_bias_swiglu.swiglu(torch.ones(next(rows), 2, device=output.device))
+        return output + 0 * extra.sum(), loss_func
+
+    data = _as_train_step_takes(_synthetic_iterator(ctx.device))
+    reports = []
+
+    def warmup(param_sync_func):
+        with contextlib.redirect_stdout(io.StringIO()) as buf:
+            reports.append(
+                _run_warmup(
+                    trainer,
+                    scheduler,
+                    param_sync_func,
+                    steps,
+                    forward_step=forward_step,
+                    data_iterator=data,
+                    args=args,
+                )
+            )
+        reports.append(buf.getvalue())
+
+    _RealRun(trainer, scheduler, args, 1, warmup=warmup)  # train()'s set-up, then the warmup
+    report, log = reports
+    graphs = _debug_get_cache_entry_list(inspect.unwrap(fused_bias_swiglu.swiglu))
+    return {
+        'compilations': report.compilations,
+        'graphs': len(graphs),
+        'log': [line for line in log.splitlines() if line.startswith('[warmup] Ran')],
+    }
