@@ -25,8 +25,7 @@ at offset 0 (dynamo specializes storage offsets of 0 and 1 as it does sizes). Th
 value per token.
 
 (``torch._dynamo.decorators.mark_unbacked`` would take 0 and 1 into the graph too, but its
-kernels cannot assume 32-bit indexing: on an H100 they made the experts' activations up to 1.4x
-slower than the graph of a dynamic count.)
+kernels cannot assume 32-bit indexing, and they ran slower than those of a dynamic count.)
 """
 
 import functools
