@@ -19,7 +19,11 @@
 #   dense the same model without experts (SwiGLU MLP): the control
 # Arms: pristine (PRISTINE_TREE, compiled), eager (PRISTINE_TREE, TORCHDYNAMO_DISABLE=1: the
 # eager fused functions), fork (FORK_TREE), fork-warmup5 (FORK_TREE, --warmup-train-steps 5),
-# alt (the tree ALT_TREE names: a candidate).
+# alt (the tree ALT_TREE names: a candidate), fork-eager (FORK_TREE, TORCHDYNAMO_DISABLE=1: what the
+# fork costs outside the compiled functions).
+# PROFILE=START:END profiles real iterations START+1..END with upstream's torch.profiler flags
+# (--profile --use-pytorch-profiler) and writes tools/maint/trace_summary.py's summary of the
+# trace next to the log (<name>.trace.txt); the trace itself is left in <name>.tb/../torch_profile.
 # Every arm logs dynamo's recompiles (TORCH_LOGS=recompiles). MODELS="..." and ARMS="..." choose;
 # the loop runs repeat by repeat, model by model, so the arms of one model run back to back.
 # Logs: $OUT (default build/moe-speed-logs)/<model>-<arm>-<TAG><rep>.log;
@@ -58,17 +62,26 @@ for rep in $(seq 1 "$repeats"); do
         pristine) tree=$pristine ;;
         eager) tree=$pristine env_extra=(TORCHDYNAMO_DISABLE=1) ;;
         fork) ;;
+        fork-eager) env_extra=(TORCHDYNAMO_DISABLE=1) ;;
         alt) tree=${ALT_TREE:?the alt arm runs the tree ALT_TREE names} ;;
         fork-warmup*) extra=(--warmup-train-steps "${arm#fork-warmup}") ;;
         *) echo "unknown arm $arm" >&2; exit 2 ;;
       esac
       name="$out/$model-$arm-${TAG:-r}$rep"
+      if [ -n "${PROFILE:-}" ]; then
+        extra+=(--profile --use-pytorch-profiler --profile-step-start "${PROFILE%:*}"
+          --profile-step-end "${PROFILE#*:}" --tensorboard-dir "$name.prof/tb")
+      fi
       started=$(date +%s)
       (cd "$mlm" && env PYTHONPATH="$tree" PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles \
         "${env_extra[@]}" python3 -m torch.distributed.run --nproc_per_node 1 \
         --master_port 29512 pretrain_gpt.py "${common[@]}" "${shape[@]}" "${extra[@]}" \
         ${EXTRA:-}) >"$name.log" 2>&1
       echo "== $model $arm $rep: rc $? in $(( $(date +%s) - started )) s"
+      if [ -n "${PROFILE:-}" ]; then
+        python3 "$(dirname "$0")/trace_summary.py" "$name.prof"/torch_profile/rank-0.json.gz \
+          >"$name.trace.txt" 2>&1
+      fi
     done
   done
 done

@@ -19,10 +19,11 @@ error), so the first call traces the one graph that every later count of 2 or mo
 of 0 and 1, whose graphs would be specializations of their own, run the same function eagerly
 (``torch.compiler.set_stance("force_eager")``): there is at most one token to compute. The fused
 functions are called inside autograd functions, with grad mode off; there the tensors are also
-passed detached (dynamo guards on a view's base and on ``requires_grad``), and a tensor that
-starts inside its storage (the probs slice of every expert but the first) as a copy that starts
-at offset 0 (dynamo specializes storage offsets of 0 and 1 as it does sizes). The copy is of one
-value per token.
+passed detached (dynamo guards on a view's base and on ``requires_grad``). The probs slices of
+the experts start at the storage offset of the tokens before them. With dimension 0 marked,
+that offset costs at most one more graph, in the first step (the backward meets the slices in
+reverse order, an offset of 2 or more before the first expert's 0), and that graph serves every
+later offset, 1 included, so the slices are passed without a copy.
 
 (``torch._dynamo.decorators.mark_unbacked`` would take 0 and 1 into the graph too, but its
 kernels cannot assume 32-bit indexing, and they ran slower than those of a dynamic count.)
@@ -42,14 +43,12 @@ def _routed(arg):
 
     Inside an autograd function (grad mode off) ``arg`` is detached (no view base whose size
     dynamo would guard on, and the same ``requires_grad`` whether or not the caller's tensor has
-    it) and copied if it starts inside its storage.
+    it).
     """
     if not isinstance(arg, torch.Tensor) or arg.dim() == 0:
         return arg
     if not torch.is_grad_enabled():
         arg = arg.detach()
-        if arg.storage_offset() != 0:
-            arg = arg.clone()
     torch._dynamo.maybe_mark_dynamic(arg, 0)
     return arg
 
