@@ -19,7 +19,7 @@ if REPO not in sys.path:
 from tests.harness import bases, launcher, registry, tiers  # noqa: E402
 
 # tests/unit_tests/ is materialized from patches/dev (upstream's layout, upstream's utilities):
-# it runs inside a Megatron-LM checkout (results/dev-unit-tests/README.md), not in this suite.
+# it runs inside a Megatron-LM checkout (evidence:dev-unit-tests/README.md), not in this suite.
 collect_ignore = ['unit_tests']
 
 

@@ -97,7 +97,7 @@ def test_incomplete_log_is_an_error(tmp_path):
 
 
 def test_committed_h200_table_is_what_its_logs_give():
-    results = TOOL.parents[2] / 'results' / 'first-five-h200-2026-12-05'
+    results = TOOL.parents[2] / 'tests' / 'evidence' / 'data' / 'first-five-h200-2026-12-05'
     rc, out, err = _table(results)
     assert rc == 0, err
     assert out == (results / 'table.md').read_text()

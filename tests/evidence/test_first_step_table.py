@@ -9,7 +9,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'maint' / 'first_step_table.py'
-RESULTS = ROOT / 'results' / 'first-step-h200'
+RESULTS = ROOT / 'tests' / 'evidence' / 'data' / 'first-step-h200'
 
 
 def table(*dirs):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 sys.path.insert(0, str(REPO / "tools"))
@@ -19,11 +21,15 @@ STALE = {
     r"Upstream-Status|Upstream-Commit": "trailers are Forwarded/Applied-Upstream/Origin",
     r"^Validation:": "the message heading is Test:",
     r"12eed0a5": "an old dev pin; the pin is patches/upstream.toml's",
+    r"results-archive": "no such branch; the measurement data is on the evidence branch",
+    r"(?<![\w$/{])results/(?!\{|fork/|compare-)": (
+        "results/ is off main: cite evidence:<folder>/<file> (docs/evidence.md)"
+    ),
 }
 
 
 def tracked_text_files():
-    """Tracked files outside results/ that hold prose or code."""
+    """Tracked files that hold prose or code (not the measurement data of tests/evidence/data/)."""
     out = subprocess.run(
         ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
     ).stdout.split()
@@ -31,7 +37,9 @@ def tracked_text_files():
     return [
         REPO / p
         for p in out
-        if p.endswith(keep) and not p.startswith("results/") and p != "tests/tooling/test_docs.py"
+        if p.endswith(keep)
+        and not p.startswith("tests/evidence/data/")
+        and p != "tests/tooling/test_docs.py"
     ]
 
 
@@ -81,7 +89,7 @@ def test_docs_changes_lists_every_record_under_its_family():
 
 
 def test_no_document_names_a_left_form():
-    """Every tracked file outside results/ is free of the forms in STALE."""
+    """Every tracked prose or code file is free of the forms in STALE."""
     found = []
     for path in tracked_text_files():
         text = path.read_text(errors="replace")
@@ -147,3 +155,46 @@ def test_the_demo_imports_without_the_test_dependencies():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def _evidence_ref():
+    """The evidence branch as this clone has it: local, or its origin's."""
+    for ref in ("evidence", "origin/evidence"):
+        found = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if found.returncode == 0:
+            return ref
+    pytest.fail("no evidence branch in this clone: git fetch origin evidence:evidence")
+
+
+def test_every_evidence_reference_resolves():
+    """Each `evidence:<folder>/<file>` that a tracked file cites exists on the evidence branch
+    (docs/evidence.md), and each folder that docs/evidence.md indexes is there."""
+    ref = _evidence_ref()
+    listing = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    paths = set(listing) | {
+        p.rsplit("/", i)[0] for p in listing for i in range(1, p.count("/") + 1)
+    }
+    missing, cited = [], 0
+    for path in tracked_text_files():
+        text = path.read_text(errors="replace")
+        for m in re.finditer(r"evidence:([A-Za-z0-9_.\-/]+)", text):
+            target = m.group(1).rstrip("./")
+            if target in ("", "evidence"):  # `git fetch origin evidence:evidence`
+                continue
+            cited += 1
+            if target not in paths:
+                missing.append(f"{path.relative_to(REPO)}: evidence:{target}")
+    assert cited > 20 and not missing, "\n".join(missing)
+    index = (REPO / "docs" / "evidence.md").read_text()
+    folders = re.findall(r"^\| `([^`]+?)/?` \|", index, re.M)
+    assert folders and not [f for f in folders if f.split("`")[0].rstrip("/") not in paths]

@@ -74,9 +74,26 @@ def test_the_committed_files_agree_with_the_records():
             slug = re.match(r"^\w+/\d{4}-(.+)\.patch$", entry).group(1)
             in_series.add((base, slug))
     assert carried == in_series
+    evidence = (
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", "evidence"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
+        or subprocess.run(
+            ["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", "origin/evidence"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
+    )
     for c in changes.values():
         for path in c.tests + c.docs:
-            assert (REPO / path).is_file(), f"{c.slug}: {path} does not exist"
+            if path.startswith("evidence:"):  # the evidence branch (docs/evidence.md)
+                assert path[len("evidence:") :] in evidence, f"{c.slug}: {path} does not exist"
+            else:
+                assert (REPO / path).is_file(), f"{c.slug}: {path} does not exist"
     # Every regression test file at the top of tests/ pins some change.
     top = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}
     assert top == set(records.counterfactual_files(changes))

@@ -11,7 +11,7 @@ tree's own code.
 Use, from the root of a Megatron-LM tree (rank and world size as torchrun sets them):
 
     FORK_CPU_REDIRECT=/path/to/fork/tests/harness/cpu_redirect.py \
-    PYTHONPATH=/path/to/fork/results/dev-unit-tests \
+    PYTHONPATH=/path/to/fork/tests/harness \
     python -m pytest -p cpu_gloo_plugin tests/unit_tests/...
 
     torchrun --nproc_per_node 2 -m pytest -p cpu_gloo_plugin tests/unit_tests/...
@@ -27,7 +27,12 @@ import torch
 
 def _load_redirect():
     path = os.environ.get('FORK_CPU_REDIRECT') or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), '..', '..', 'tests', 'harness', 'cpu_redirect.py'
+        os.path.dirname(os.path.abspath(__file__)),
+        '..',
+        '..',
+        'tests',
+        'harness',
+        'cpu_redirect.py',
     )
     spec = importlib.util.spec_from_file_location('fork_cpu_redirect', path)
     module = importlib.util.module_from_spec(spec)
