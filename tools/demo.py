@@ -8,9 +8,12 @@ Runs on CPU ranks with gloo (world size 2) by default, or with NCCL when ``FORK_
 Exit status 0 when every row shows the expected outcome on both arms.
 """
 
+import atexit
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +25,15 @@ WARMUP = "tests.scenarios.warmup:scenario_end_to_end"
 OVERCOUNT = "tests.scenarios.ddp_calibration:scenario_overcount"
 ORACLE = "tests.scenarios.expert_grad_stats:scenario_exact_oracle"
 EXPERT_SYNC = "tests.scenarios.expert_grad_stats:scenario_expert_layer_sync"
+RESUME = "tests.scenarios.resume_e2e:scenario_resume_run"
+# The resume row: upstream's pretrain() trains the tiny GPT RESUME_N iterations (distributed
+# optimizer, dp_reshardable), once without stopping and once saving and exiting at RESUME_K; a
+# world of fresh processes then loads that checkpoint and trains on. The unstopped run is
+# tests/test_resume_e2e.py's own 'distopt-dp' call (shared in the suite).
+RESUME_N, RESUME_K = 4, 2
+# what must be equal, per iteration after K, for "bitwise": the log's values and the digests of
+# the model and the optimizer (main params and every state tensor) that the scenario records
+RESUME_KEYS = ("losses", "grad_norm", "lr", "loss_scale", "model", "optimizer")
 
 
 def world_size():
@@ -43,6 +55,8 @@ def short(result):
         return "DIES: " + result["step_error"].split("\n")[0][:120]
     if result.get("raised"):
         return "fails loudly: " + result["raised"].split("\n")[0][:80] + " ..."
+    if "resume" in result:
+        return result["resume"]
     if "losses" in result:
         return "trains, losses " + ", ".join(f"{x:.4f}" for x in result["losses"])
     if "grad_after_sync" in result:
@@ -87,7 +101,88 @@ def rows(world):
         (f"expert grad norm / zero count, TP=EP={world}, ETP=1, distopt", ORACLE, oracle, oracle,
          1),
         ("expert grad sync, TP2/EP1/ETP1 (0009)", EXPERT_SYNC, sync, sync, 2),
+        (f"distributed optimizer saved at iteration {RESUME_K}, resumed in new processes",
+         RESUME, {}, {}, 2),
     ]  # fmt: skip
+
+
+def resume_args(world):
+    """The resume row's command line (tests/test_resume_e2e.py's 'distopt-dp')."""
+    from tests.scenarios.pretrain import tiny_gpt_args  # pylint: disable=import-outside-toplevel
+
+    extra = ["--decoupled-lr", "3e-3", "--ddp-bucket-size", "6000"]
+    return tiny_gpt_args(world, train_iters=RESUME_N) + extra
+
+
+class ResumeRow:
+    """The resume row of one tree: the unstopped and the stopped run registered in the tree's
+    shared world; ``result()`` then runs the resumed one in a world of fresh processes and
+    compares it with the unstopped run, iteration by iteration."""
+
+    def __init__(self, world, tree):
+        from tests.harness.registry import call  # pylint: disable=import-outside-toplevel
+
+        self.world, self.tree = world, tree
+        self.ckpt = tempfile.mkdtemp(prefix="fork-demo-resume-")
+        atexit.register(shutil.rmtree, self.ckpt, True)
+        args = resume_args(world)
+        self.unstopped = call(world, tree, RESUME, reuse=True, argv=args)
+        save = ["--save", self.ckpt, "--save-interval", str(RESUME_K)]
+        self.stopped = call(
+            world, tree, RESUME, argv=args + save + ["--exit-interval", str(RESUME_K)]
+        )
+        self.args = args
+
+    def result(self):
+        """[rank 0's {'resume': the cell}] (the shape of a call's result); runs once."""
+        if not hasattr(self, "_cell"):
+            self._cell = self._run()  # pylint: disable=attribute-defined-outside-init
+        return [{"resume": self._cell}]
+
+    def _run(self):
+        from tests.harness import launcher  # pylint: disable=import-outside-toplevel
+
+        failed = _failure(self.stopped.result(), "the save")
+        if failed is None:
+            resumed = launcher.run_world(
+                self.world, self.tree, [(RESUME, {"argv": self.args + ["--load", self.ckpt]})]
+            )[0]
+            failed = _failure(resumed, "resume")
+        if failed is not None:
+            return failed
+        reference = _by_iteration(self.unstopped.result()[0])
+        for rank, res in enumerate(resumed):
+            got = _by_iteration(res)
+            if sorted(got) != list(range(RESUME_K + 1, RESUME_N + 1)):
+                return f"resumed run ran iterations {sorted(got)} (rank {rank})"
+            ref = _by_iteration(self.unstopped.result()[rank])
+            for iteration in got:
+                for key in RESUME_KEYS:
+                    if got[iteration][key] != ref[iteration][key]:
+                        return f"resumes, but {key} differs at iteration {iteration}"
+        losses = ", ".join(
+            f"{float.fromhex(reference[i]['losses']['lm loss'][0]):.4f}"
+            for i in range(RESUME_K + 1, RESUME_N + 1)
+        )
+        return f"resumes bitwise (losses {losses}, model, optimizer state)"
+
+
+def _failure(per_rank, what):
+    """None, or the cell of the first rank whose run raised or exited non-zero."""
+    for res in per_rank:
+        if "error" in res:
+            first = res["error"].strip().split("\n")[0].rstrip(": ")
+            bare = " (a bare assert)" if first == "AssertionError" else ""
+            return f"{what} fails: {first[:90]}{bare}"
+        if res.get("exit") not in (None, 0):
+            return f"{what} fails: exit {res['exit']}"
+    return None
+
+
+def _by_iteration(res):
+    """{iteration: the log's values and the step's digests} of one rank's run."""
+    steps = {s["iteration"]: s for s in res["steps"]}
+    return {it["iteration"]: {**it, **steps[it["iteration"]]} for it in res["iterations"]}
 
 
 def register(world, base):
@@ -103,8 +198,12 @@ def register(world, base):
             (0, f"pristine-{base}", pristine_kw),
             (1, f"fork-{base}", fork_kw),
         ):
-            ok = world >= min_world
-            handles[arm].append(call(world, tree, target, reuse=True, **kwargs) if ok else None)
+            if world < min_world:
+                handles[arm].append(None)
+            elif target == RESUME:
+                handles[arm].append(ResumeRow(world, tree))
+            else:
+                handles[arm].append(call(world, tree, target, reuse=True, **kwargs))
     return handles
 
 
@@ -121,6 +220,10 @@ def expected(index, p, f, world, upstream_has_stats, upstream_has_sync):
         return bool(p.get("step_error")) and not f.get("step_error") and "error" not in f
     if index == 3:
         return not p.get("raised") and bool(f.get("raised"))
+    if index == 6:
+        # pristine: no base carries the torch-Adam resume fix yet (candidate 5, change 0023)
+        bitwise = f["resume"].startswith("resumes bitwise")
+        return bitwise and not p["resume"].startswith("resumes bitwise")
     if index == 5:
         fixed = set(f["grad_after_sync"].values()) == {f["correct_grad_after_sync"]}
         pristine_ok = set(p["grad_after_sync"].values()) == {p["correct_grad_after_sync"]}
@@ -188,7 +291,8 @@ def main(argv=None):
     print(table)
     print(
         "\nexpected: pristine dies or is silently wrong; the fork trains, or fails loudly where "
-        "upstream trains on wrong gradients; expert norm sqrt(1+world) = "
+        "upstream trains on wrong gradients, and resumes as the run that never stopped; expert "
+        "norm sqrt(1+world) = "
         f"{math.sqrt(1 + world):.4f} and expert grads summed over expert DP on the fork (and on "
         "pristine where upstream has the fix)."
     )

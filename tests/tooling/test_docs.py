@@ -12,7 +12,11 @@ REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 sys.path.insert(0, str(REPO / "tools"))
 
-from megatron_fork import records, upstream  # noqa: E402  pylint: disable=wrong-import-position
+from megatron_fork import (  # noqa: E402  pylint: disable=wrong-import-position
+    evidence,
+    records,
+    upstream,
+)
 
 # Forms the project has left: the single series file, the old trailers, the old message heading,
 # an old dev pin. (Results are records of their day and keep their words.)
@@ -157,33 +161,12 @@ def test_the_demo_imports_without_the_test_dependencies():
     assert proc.returncode == 0, proc.stderr
 
 
-def _evidence_ref():
-    """The evidence branch as this clone has it: local, or its origin's."""
-    for ref in ("evidence", "origin/evidence"):
-        found = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--verify", "-q", f"{ref}^{{commit}}"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if found.returncode == 0:
-            return ref
-    pytest.fail("no evidence branch in this clone: git fetch origin evidence:evidence")
-
-
 def test_every_evidence_reference_resolves():
     """Each `evidence:<folder>/<file>` that a tracked file cites exists on the evidence branch
     (docs/evidence.md), and each folder that docs/evidence.md indexes is there."""
-    ref = _evidence_ref()
-    listing = subprocess.run(
-        ["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", ref],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    paths = set(listing) | {
-        p.rsplit("/", i)[0] for p in listing for i in range(1, p.count("/") + 1)
-    }
+    paths = evidence.paths(REPO)
+    if paths is None:
+        pytest.skip("this clone has no evidence branch: git fetch origin evidence:evidence")
     missing, cited = [], 0
     for path in tracked_text_files():
         text = path.read_text(errors="replace")
