@@ -24,7 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if os.path.join(REPO, 'tools') not in sys.path:
     sys.path.insert(0, os.path.join(REPO, 'tools'))
 
-from megatron_fork import series as _series  # noqa: E402  pylint: disable=wrong-import-position
+from megatron_fork import records as _records  # noqa: E402  pylint: disable=wrong-import-position
+from megatron_fork import series as _series  # noqa: E402  pylint: disable=C0413
 from megatron_fork import upstream as _upstream  # noqa: E402  pylint: disable=C0413
 from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C0413
 
@@ -33,7 +34,7 @@ from megatron_fork.workspace import Workspace  # noqa: E402  pylint: disable=C04
 WORKSPACE = Workspace(Path(REPO))
 PATCHES = str(WORKSPACE.patch_root)
 PIN = _upstream.load_pin(WORKSPACE.pin_file)
-CHANGES = _series.load_changes(WORKSPACE.patch_root)
+CHANGES = _records.load(WORKSPACE.patch_root)
 DEV_REPO = os.environ.get('FORK_TEST_DEV_REPO') or None
 BASE = os.environ.get('FORK_TEST_BASE') or PIN['default']
 if BASE not in PIN['maintained']:
@@ -55,17 +56,18 @@ def upstream_has(change, base=None):
     """
     if change not in CHANGES:
         raise KeyError(f'unknown change {change!r}; known: {", ".join(CHANGES)}')
-    return _series.upstream_record(CHANGES, change, base or BASE) is not None
+    return _records.upstream_record(CHANGES, change, base or BASE) is not None
 
 
 def carries(change, base=None):
     """True when the fork's series of ``base`` (default: the selected one) carries ``change``."""
-    return CHANGES.get(change, {}).get('bases', {}).get(base or BASE) == 'carried'
+    return change_state(change, base) == 'carried'
 
 
 def change_state(change, base=None):
     """'carried', 'upstream' or None (``base``, default the selected one, cannot take it)."""
-    state = CHANGES.get(change, {}).get('bases', {}).get(base or BASE)
+    record = CHANGES.get(change)
+    state = record.bases.get(base or BASE) if record is not None else None
     return 'upstream' if isinstance(state, dict) else state
 
 

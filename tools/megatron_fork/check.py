@@ -43,7 +43,7 @@ def metadata_failures(base, patch_dir, changes):
     seen = []
     for patch in patches:
         for req in patch.requires:
-            if req not in seen and not series_mod.upstream_record(changes, req, base):
+            if req not in seen and not records_mod.upstream_record(changes, req, base):
                 failures.append(
                     f"{patch.name} requires {req}, which is neither earlier in the series nor "
                     f"upstream in {base}"
@@ -60,22 +60,22 @@ def metadata_failures(base, patch_dir, changes):
             if not patch.change or entry is None:
                 failures.append(
                     f"{patch.name}: Fork-Change trailer {patch.change!r} is not a change in "
-                    f"patches/{series_mod.CHANGES_FILE}"
+                    f"patches/{records_mod.CHANGES_FILE}"
                 )
                 continue
-            state = entry.get("bases", {}).get(base)
+            state = entry.bases.get(base)
             if state != "carried":
                 failures.append(
                     f"{patch.name}: change {patch.change} is {state!r} for {base} in "
-                    f"{series_mod.CHANGES_FILE}, but the series carries it"
+                    f"{records_mod.CHANGES_FILE}, but the series carries it"
                 )
-            if group and group != entry.get("group"):
+            if group and group != entry.group:
                 failures.append(
-                    f"{patch.name}: change {patch.change} belongs in group {entry.get('group')}/"
+                    f"{patch.name}: change {patch.change} belongs in group {entry.group}/"
                 )
     carried = {p.change for p in patches}
     for slug, entry in changes.items():
-        if entry.get("bases", {}).get(base) == "carried" and slug not in carried:
+        if entry.bases.get(base) == "carried" and slug not in carried:
             failures.append(f"change {slug} is carried on {base} but no patch names it")
     return failures
 
@@ -92,7 +92,7 @@ def check_metadata(pin, base, ws):
         ws: the workspace whose ``patches/`` is checked.
     """
     patch_dir = ws.patch_dir(base)
-    changes = series_mod.load_changes(ws.patch_root)
+    changes = records_mod.load(ws.patch_root)
     failures = metadata_failures(base, patch_dir, changes)
     failures += [
         line
@@ -100,7 +100,7 @@ def check_metadata(pin, base, ws):
         if line.startswith(f"patches/{base}/")
     ]
     failures += [
-        f"{path} disagrees with patches/{series_mod.CHANGES_FILE} (run `tools/fork.py records "
+        f"{path} disagrees with patches/{records_mod.CHANGES_FILE} (run `tools/fork.py records "
         "--write`)"
         for path in records_mod.plan(ws.patch_root, pin).drift()
         if path.startswith(f"patches/{base}/") or not path.startswith("patches/")
@@ -136,7 +136,7 @@ def check_base(pin, base, ws, source=None):
             EXIT_FAILED,
         )
     upstream = [
-        slug for slug in changes if series_mod.upstream_record(changes, slug, base) is not None
+        slug for slug in changes if records_mod.upstream_record(changes, slug, base) is not None
     ]
     note = f"; upstream: {', '.join(upstream)}" if upstream else ""
     return (

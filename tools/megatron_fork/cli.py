@@ -165,7 +165,7 @@ def cmd_records(args, pin, ws):
     drift = records_mod.plan(ws.patch_root, pin).drift()
     if drift:
         raise ForkError(
-            f"{len(drift)} file(s) disagree with patches/{series_mod.CHANGES_FILE}: "
+            f"{len(drift)} file(s) disagree with patches/{records_mod.CHANGES_FILE}: "
             + ", ".join(drift)
             + " (run `tools/fork.py records --write`)",
             EXIT_FAILED,

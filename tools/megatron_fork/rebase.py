@@ -18,6 +18,7 @@ import subprocess
 
 from . import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, ForkError
 from . import queue as queue_mod
+from . import records as records_mod
 from . import series as series_mod
 from . import upstream
 
@@ -79,10 +80,11 @@ def _target(pin, onto, git_repo, source):
 
 def _contained(changes, patch, name, git_repo, target_sha):
     """Say why the target already contains ``patch``'s change, or return None."""
-    record = series_mod.upstream_record(changes, patch.change, name)
+    record = records_mod.upstream_record(changes, patch.change, name)
     if record:
-        return series_mod.describe_upstream(record)
-    commit = changes.get(patch.change, {}).get("upstream_commit") or (
+        return records_mod.describe_upstream(record)
+    change = changes.get(patch.change)
+    commit = (change.upstream_commit if change is not None else None) or (
         patch.upstream_commits[0] if patch.upstream_commits else None
     )
     if commit and git_repo and target_sha:
@@ -167,7 +169,7 @@ def _patch(ws, state, entry):
 def _run(pin, ws, state):
     """Apply the pending patches one by one; stop at a conflict; finish when none is left."""
     repo = _dir(ws) / "repo"
-    changes = series_mod.load_changes(ws.patch_root)
+    changes = records_mod.load(ws.patch_root)
     existing = _existing_ports(ws, state["name"])
     while state["pending"]:
         entry = state["pending"][0]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import EXIT_USAGE, ForkError
+from . import series as series_mod
 
 CHANGES_FILE = "changes.toml"
 UPSTREAM_URL = "https://github.com/NVIDIA/Megatron-LM"
@@ -191,6 +192,24 @@ def load(patch_root, maintained=None):
     return parse(data.get("changes", {}), maintained)
 
 
+def upstream_record(changes, slug, base):
+    """Return change ``slug``'s upstream record on ``base`` (a dict: commit, pr?, ref?), or None
+    where the base carries it, cannot take it, or ``changes`` has no such change."""
+    change = changes.get(slug)
+    state = change.bases.get(base) if change is not None else None
+    return state if isinstance(state, dict) else None
+
+
+def describe_upstream(record):
+    """One line naming the upstream commit (and PR) of an upstream record."""
+    text = f"upstream commit {record['commit'][:10]}"
+    if record.get("pr"):
+        text += f" (PR {record['pr']})"
+    if record.get("ref"):
+        text += f" in {record['ref']}"
+    return text
+
+
 def trailers(change):
     """Return the trailer lines of ``change``'s patches (the same on every base)."""
     lines = []
@@ -346,8 +365,6 @@ def plan(patch_root, pin):
     """Return the Plan of a ``patches/`` folder: every patch of every maintained base, and
     docs/changes.md, the README and tests/README.md beside ``patches/`` (each where it exists).
     Paths are relative to the folder above ``patches/``."""
-    from . import series as series_mod  # pylint: disable=import-outside-toplevel
-
     patch_root = Path(patch_root)
     changes = load(patch_root, pin["maintained"])
     files = {}

@@ -10,13 +10,11 @@ trailer, so the same change is recognizable on every base.
 
 import re
 import subprocess
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_USAGE, ForkError
 
-CHANGES_FILE = "changes.toml"
 GROUPS = ("fork", "backports")
 
 CLEAN = "clean"
@@ -251,43 +249,6 @@ def series_digest(patches):
         digest.update(f"{patch.name}\n".encode())
         digest.update(patch.path.read_bytes())
     return digest.hexdigest()
-
-
-def load_changes(root):
-    """Return the change records ``root/changes.toml`` as plain tables ({} when there is none),
-    after :func:`records.parse` has validated them.
-
-    Args:
-        root: the workspace's ``patches/`` directory (``Workspace.patch_root``).
-    """
-    from . import records  # pylint: disable=import-outside-toplevel
-
-    path = Path(root) / CHANGES_FILE
-    if not path.is_file():
-        return {}
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f).get("changes", {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ForkError(f"cannot read {path}: {exc}", EXIT_USAGE) from exc
-    records.parse(table)
-    return table
-
-
-def upstream_record(changes, slug, base):
-    """Return the upstream record of change ``slug`` on ``base`` (a dict) or None if carried."""
-    state = changes.get(slug, {}).get("bases", {}).get(base)
-    return state if isinstance(state, dict) else None
-
-
-def describe_upstream(record):
-    """One line naming the upstream commit (and PR) of an upstream record."""
-    text = f"upstream commit {record['commit'][:10]}"
-    if record.get("pr"):
-        text += f" (PR {record['pr']})"
-    if record.get("ref"):
-        text += f" in {record['ref']}"
-    return text
 
 
 def gnu_patch(patch_path, tree, reverse=False, fuzz=0, dry_run=True):

@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import records as records_mod
 from . import series as series_mod
 from .series import CLEAN, CONFLICT, FUZZ, OFFSET, UPSTREAM, classify, gnu_patch
 from .upstream import extract_git, is_git_base, obtain_tree, resolve_rev, series_base
@@ -153,7 +154,7 @@ class Result:
         warnings = []
         for c in self.columns:
             for row, (outcome, detail) in c.cells.items():
-                recorded = series_mod.upstream_record(self.changes, row, c.base)
+                recorded = records_mod.upstream_record(self.changes, row, c.base)
                 if outcome == UPSTREAM and not recorded and c.base == c.series:
                     warnings.append(
                         f"{row}: found upstream in {c.label} ({detail}) but patches/{c.series}/ "
@@ -209,7 +210,7 @@ def status(pin, ws, names, revs=(), git_repo=None, am3=False, source=None, ref_s
     Returns:
         A :class:`Result`.
     """
-    changes = series_mod.load_changes(ws.patch_root)
+    changes = records_mod.load(ws.patch_root)
     columns, skipped = _columns(pin, names, revs, git_repo, ref_series)
     reps = {}
     for column in columns:
@@ -220,7 +221,7 @@ def status(pin, ws, names, revs=(), git_repo=None, am3=False, source=None, ref_s
         _fill_change_cells(column, changes, git_repo)
         if am3 and column.rev:
             column.am3 = am3_check(patches, git_repo, column.rev)
-    order = {slug: c.get("number", 0) for slug, c in changes.items()}
+    order = {slug: c.number for slug, c in changes.items()}
     rows = []
     for column in columns:
         for row in column.cells:
@@ -262,17 +263,18 @@ def _fill_patch_cells(pin, column, patches, changes, git_repo, source):
             obtain_tree(pin, column.base, tmp, **(source or {}))
         carried = [
             p for p in patches
-            if not series_mod.upstream_record(changes, p.change, column.base)
+            if not records_mod.upstream_record(changes, p.change, column.base)
         ]  # fmt: skip
         by_name = evaluate(carried, tmp, git_repo)
         for patch in patches:
-            record = series_mod.upstream_record(changes, patch.change, column.base)
+            record = records_mod.upstream_record(changes, patch.change, column.base)
             if record:
-                detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
+                detail = "recorded in changes.toml: " + records_mod.describe_upstream(record)
                 column.cells[_row_key(patch)] = (UPSTREAM, detail)
             else:
                 column.cells[_row_key(patch)] = by_name[patch.name]
-            commit = changes.get(patch.change, {}).get("upstream_commit")
+            change = changes.get(patch.change)
+            commit = change.upstream_commit if change is not None else None
             outcome = column.cells[_row_key(patch)][0]
             if (
                 outcome == CONFLICT
@@ -293,10 +295,10 @@ def _fill_change_cells(column, changes, git_repo):
     for slug, entry in changes.items():
         if slug in column.cells:
             continue
-        record = series_mod.upstream_record(changes, slug, column.base)
-        commit = entry.get("upstream_commit")
+        record = records_mod.upstream_record(changes, slug, column.base)
+        commit = entry.upstream_commit
         if record:
-            detail = "recorded in changes.toml: " + series_mod.describe_upstream(record)
+            detail = "recorded in changes.toml: " + records_mod.describe_upstream(record)
             column.cells[slug] = (UPSTREAM, detail)
         elif column.rev and commit and _is_ancestor(git_repo, commit, column.rev):
             detail = f"upstream commit {commit[:10]} is an ancestor of {column.label}"
