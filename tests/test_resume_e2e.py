@@ -138,8 +138,7 @@ RESUMES['w4-fully']['ref'] = 'w4-fully'
 # distributed-optimizer resume in a fresh process on every base: the load template's
 # DistributedOptimizer.state_dict() asserts one step over the fresh, empty state (a bare assert).
 # Candidate 3 (an fp32 param among bf16 ones) fails the fully_reshardable save itself. Plain DDP
-# resumes with its CPU generator one draw ahead (the data iterator's base seed, drawn after the
-# load): CPU dropout then masks other elements (change data-loader-own-generator).
+# resumes right.
 RESUME_ASSERTS = 'the resumed run, rank 0: AssertionError: '
 PRISTINE_RESUMES = {
     'distopt-dp': RESUME_ASSERTS,
@@ -149,11 +148,7 @@ PRISTINE_RESUMES = {
         else 'the run stopped at K, rank 0: RuntimeError: The size of tensor a (128) must match '
         'the size of tensor b (64) at non-singleton dimension 0'
     ),
-    'ddp': (
-        None
-        if bases.tree_has_fix(PRISTINE, 'data-loader-own-generator')
-        else 'losses differs (rank 0, iteration 3, losses)'
-    ),
+    'ddp': None,
 }
 
 
