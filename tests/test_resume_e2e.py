@@ -37,6 +37,8 @@ import pytest
 from tests.harness import bases, call
 from tests.harness.launcher import default_timeout, run_world
 from tests.scenarios.pretrain import tiny_gpt_args
+from tests.scenarios.resume_e2e import ITERATION_KEYS, STEP_KEYS
+from tests.scenarios.resume_e2e import by_iteration as _by_iteration
 
 pytestmark = pytest.mark.same_run_bitwise
 S = 'tests.scenarios.resume_e2e:scenario_resume_run'
@@ -217,15 +219,6 @@ def _ok(per_rank, what):
         if res['exit'] not in (None, 0):
             raise RunFailed(f'{what}, rank {rank}: exit {res["exit"]}')
     return per_rank
-
-
-ITERATION_KEYS = ('losses', 'grad_norm', 'lr', 'loss_scale')
-STEP_KEYS = ('groups', 'scheduler_steps', 'model', 'optimizer')
-
-
-def _by_iteration(res):
-    steps = {s['iteration']: s for s in res['steps']}
-    return {it['iteration']: {**it, **steps[it['iteration']]} for it in res['iterations']}
 
 
 def _first_difference(resumed, reference, keys):

@@ -31,9 +31,6 @@ RESUME = "tests.scenarios.resume_e2e:scenario_resume_run"
 # world of fresh processes then loads that checkpoint and trains on. The unstopped run is
 # tests/test_resume_e2e.py's own 'distopt-dp' call (shared in the suite).
 RESUME_N, RESUME_K = 4, 2
-# what must be equal, per iteration after K, for "bitwise": the log's values and the digests of
-# the model and the optimizer (main params and every state tensor) that the scenario records
-RESUME_KEYS = ("losses", "grad_norm", "lr", "loss_scale", "model", "optimizer")
 
 
 def world_size():
@@ -140,7 +137,9 @@ class ResumeRow:
         return [{"resume": self._cell}]
 
     def _run(self):
-        from tests.harness import launcher  # pylint: disable=import-outside-toplevel
+        # pylint: disable=import-outside-toplevel
+        from tests.harness import launcher
+        from tests.scenarios.resume_e2e import ITERATION_KEYS, STEP_KEYS, by_iteration
 
         failed = _failure(self.stopped.result(), "the save")
         if failed is None:
@@ -150,14 +149,14 @@ class ResumeRow:
             failed = _failure(resumed, "resume")
         if failed is not None:
             return failed
-        reference = _by_iteration(self.unstopped.result()[0])
+        reference = by_iteration(self.unstopped.result()[0])
         for rank, res in enumerate(resumed):
-            got = _by_iteration(res)
+            got = by_iteration(res)
             if sorted(got) != list(range(RESUME_K + 1, RESUME_N + 1)):
                 return f"resumed run ran iterations {sorted(got)} (rank {rank})"
-            ref = _by_iteration(self.unstopped.result()[rank])
+            ref = by_iteration(self.unstopped.result()[rank])
             for iteration in got:
-                for key in RESUME_KEYS:
+                for key in ITERATION_KEYS + STEP_KEYS:
                     if got[iteration][key] != ref[iteration][key]:
                         return f"resumes, but {key} differs at iteration {iteration}"
         losses = ", ".join(
@@ -177,12 +176,6 @@ def _failure(per_rank, what):
         if res.get("exit") not in (None, 0):
             return f"{what} fails: exit {res['exit']}"
     return None
-
-
-def _by_iteration(res):
-    """{iteration: the log's values and the step's digests} of one rank's run."""
-    steps = {s["iteration"]: s for s in res["steps"]}
-    return {it["iteration"]: {**it, **steps[it["iteration"]]} for it in res["iterations"]}
 
 
 def register(world, base):

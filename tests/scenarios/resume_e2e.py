@@ -159,6 +159,18 @@ def _keep_fp32(prefix):
         yield
 
 
+# What "the resumed run is the run that never stopped" compares after every real iteration: the
+# log's values, then the recorded param groups, scheduler steps and digests.
+ITERATION_KEYS = ('losses', 'grad_norm', 'lr', 'loss_scale')
+STEP_KEYS = ('groups', 'scheduler_steps', 'model', 'optimizer')
+
+
+def by_iteration(res):
+    """{iteration: the log's values and the step's record} of one rank's scenario_resume_run."""
+    steps = {s['iteration']: s for s in res['steps']}
+    return {it['iteration']: {**it, **steps[it['iteration']]} for it in res['iterations']}
+
+
 def scenario_resume_run(ctx, argv, full=False, fp32_params=None):
     """One pretrain() run of the tiny GPT with ``argv``; what it did at every iteration.
 

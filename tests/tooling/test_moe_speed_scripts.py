@@ -125,8 +125,10 @@ def test_gpu_moe_speed_fork_eager_and_profile(tmp_path):
         args_line
     )
     assert f"--tensorboard-dir {logs / 'ag8-fork-eager-p1.prof'}/tb" in args_line
-    # the stand-in python3 wrote no trace: the summary names what is missing
-    assert 'ARGS' in (logs / 'ag8-fork-eager-p1.trace.txt').read_text()
+    # after the run, the trace's summary: the stand-in python3 records that command line too
+    summary = (logs / 'ag8-fork-eager-p1.trace.txt').read_text()
+    assert 'trace_summary.py' in summary, summary
+    assert f"{logs / 'ag8-fork-eager-p1.prof'}/torch_profile/rank-0.json.gz" in summary
 
 
 def _x(name, cat, ts, dur):
