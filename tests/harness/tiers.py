@@ -16,6 +16,8 @@ TIERS = {
     'no-gtp': 'generalized tensor parallelism, absent on this base (dev, 0.18.2)',
     'nccl': 'checks of the CPU redirect, and worlds larger than the visible GPUs, under '
     'FORK_TEST_BACKEND=nccl',
+    'evidence': 'the evidence branch (docs/evidence.md), absent from a single-branch clone: '
+    'git fetch origin evidence:evidence',
     'containers': (
         'both Dockerfile targets built on a stand-in base: needs podman, debootstrap, root'
     ),
