@@ -7,7 +7,9 @@ Each configuration trains the tiny GPT of tests/driver/pretrain_tiny_gpt.py thre
 iteration past K, the resumed run's losses, grad norm, learning rate, loss scale, each param
 group's lr/weight decay/max_lr/min_lr, the scheduler's step count, and digests of the model params
 and of the optimizer (main params and every state tensor, ``step`` included) must equal the run
-that never stopped, bitwise, on every rank. Dropout is on (0.1), so the RNG restore is checked too.
+that never stopped, bitwise, on every rank, and so must the host random number streams (Python,
+NumPy, torch CPU) right after the load and the data iterators' build. Dropout is on (0.1), so
+the RNG restore is checked in the losses too.
 
 Configurations: the distributed optimizer with dp_reshardable and fully_reshardable checkpoints,
 plain DDP, bf16 with fp32 main params, fp16 with the loss scaler, one fp32 param among bf16 ones,
@@ -140,7 +142,8 @@ RESUMES['w4-fully']['ref'] = 'w4-fully'
 # distributed-optimizer resume in a fresh process on every base: the load template's
 # DistributedOptimizer.state_dict() asserts one step over the fresh, empty state (a bare assert).
 # Candidate 3 (an fp32 param among bf16 ones) fails the fully_reshardable save itself. Plain DDP
-# resumes right.
+# loads right, then builds the data iterators from the restored CPU generator: one draw the run
+# that never stopped did not make there (change resume-host-rng-data-iterators).
 RESUME_ASSERTS = 'the resumed run, rank 0: AssertionError: '
 PRISTINE_RESUMES = {
     'distopt-dp': RESUME_ASSERTS,
@@ -150,7 +153,7 @@ PRISTINE_RESUMES = {
         else 'the run stopped at K, rank 0: RuntimeError: The size of tensor a (128) must match '
         'the size of tensor b (64) at non-singleton dimension 0'
     ),
-    'ddp': None,
+    'ddp': "host RNG differs after the load and the iterators (rank 0: ['torch'])",
 }
 
 
@@ -252,6 +255,11 @@ def _check(tree, name):
         for rank, (got, saved) in enumerate(zip(resumed, stopped)):
             if got['start']['model'] != _by_iteration(saved)[K]['model']:
                 return f'model differs after the load (rank {rank})'
+        for rank, (got, ref) in enumerate(zip(resumed, reference)):
+            want = _by_iteration(ref)[K]['rng']
+            streams = [s for s in sorted(want) if got['start']['rng'][s] != want[s]]
+            if streams:
+                return f'host RNG differs after the load and the iterators (rank {rank}: {streams})'
 
     for rank, (got, ref) in enumerate(zip(resumed, reference)):
         diff = _first_difference(got, ref, keys or ITERATION_KEYS + STEP_KEYS)

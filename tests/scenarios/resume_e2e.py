@@ -14,14 +14,13 @@ scale, bitwise), it records after every real iteration:
 - with ``full=True``, the gathered model params in full (for runs whose layout changes between
   save and resume, where digests of per-rank shards cannot be compared).
 
-Test-only shims:
+- the host's random number streams (Python, NumPy, torch CPU) at the start of train(), after
+  the load and the data iterators' build, and after every real iteration: a resumed run must go
+  on with the very streams of the run that never stopped (on CPU ranks dropout draws from the
+  CPU generator, so a stray draw also shows in every later loss).
 
-- The data loader's seed draw. Megatron restores the CPU generator from the checkpoint before it
-  builds the data iterators, and ``torch.utils.data``'s iterator draws its base seed from that
-  generator (with ``--num-workers 0`` too), one draw that the run that never stopped made before
-  its first iteration. On GPUs nothing of the model draws from the CPU generator; on CPU ranks
-  dropout does, so that one draw would shift every dropout mask after a resume (measured: with
-  the draw isolated, resumes are bitwise; without, not). The shim gives the draw back.
+Test-only shim:
+
 - ``fp32_params``: the params whose names start with this prefix stay fp32 when the model is
   cast to bf16/fp16, as a module that keeps its own params in fp32 does (one group then mixes
   fp32 and bf16 params: change ``distopt-mixed-dtype-group-state``). A LayerNorm's weight and
@@ -31,7 +30,9 @@ Test-only shims:
 import contextlib
 import functools
 import hashlib
+import random
 
+import numpy as np
 import torch
 
 from tests.scenarios.common import import_with_real_cuda, patched
@@ -75,6 +76,16 @@ def _groups(optimizer):
     ]
 
 
+def _host_rng():
+    """A digest of each host random number stream: {'python', 'numpy', 'torch'}."""
+    states = {
+        'python': repr(random.getstate()).encode(),
+        'numpy': repr(np.random.get_state()).encode(),
+        'torch': torch.get_rng_state().numpy().tobytes(),
+    }
+    return {name: hashlib.sha256(state).hexdigest()[:16] for name, state in states.items()}
+
+
 def _full_params(model):
     """Every model param as float hex, keyed by name (the same on every DP layout)."""
     return {
@@ -92,7 +103,7 @@ def _step_recorder(out, full):
     @functools.wraps(original_train)
     def train(forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw):
         live.update(model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
-        out['start'] = {'model': _model_digest(model)}
+        out['start'] = {'model': _model_digest(model), 'rng': _host_rng()}
         if full:
             out['start']['params'] = _full_params(model)
         return original_train(forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw)
@@ -107,6 +118,7 @@ def _step_recorder(out, full):
             'optimizer': _optimizer_digest(optimizer),
             'groups': _groups(optimizer),
             'scheduler_steps': live['scheduler'].num_steps,
+            'rng': _host_rng(),
         }
         if full:
             record['params'] = _full_params(model)
@@ -114,25 +126,6 @@ def _step_recorder(out, full):
         return original_log(*a, **kw)
 
     with patched(training, 'train', train), patched(training, 'training_log', training_log):
-        yield
-
-
-@contextlib.contextmanager
-def _loader_seed_draw_isolated():
-    """The data iterator's base-seed draw leaves the CPU generator as it found it."""
-    from torch.utils.data import dataloader
-
-    original_init = dataloader._BaseDataLoaderIter.__init__
-
-    @functools.wraps(original_init)
-    def __init__(self, *a, **kw):
-        state = torch.get_rng_state()
-        try:
-            original_init(self, *a, **kw)
-        finally:
-            torch.set_rng_state(state)
-
-    with patched(dataloader._BaseDataLoaderIter, '__init__', __init__):
         yield
 
 
@@ -162,7 +155,7 @@ def _keep_fp32(prefix):
 # What "the resumed run is the run that never stopped" compares after every real iteration: the
 # log's values, then the recorded param groups, scheduler steps and digests.
 ITERATION_KEYS = ('losses', 'grad_norm', 'lr', 'loss_scale')
-STEP_KEYS = ('groups', 'scheduler_steps', 'model', 'optimizer')
+STEP_KEYS = ('groups', 'scheduler_steps', 'model', 'optimizer', 'rng')
 
 
 def by_iteration(res):
@@ -186,7 +179,7 @@ def scenario_resume_run(ctx, argv, full=False, fp32_params=None):
     # megatron.training imports GPU-only modules at import time; pretrain's scenario says how.
     import_with_real_cuda('megatron.training.training')
     out = {'steps': [], 'start': None}
-    with _loader_seed_draw_isolated(), _keep_fp32(fp32_params), _step_recorder(out, full):
+    with _keep_fp32(fp32_params), _step_recorder(out, full):
         result = scenario_pretrain_gpt(ctx, argv)
     result['steps'], result['start'] = out['steps'], out['start']
     return result
