@@ -165,6 +165,30 @@ def test_edit_commit_export_roundtrip_and_unexported_work_is_protected(sandbox):
     assert run(sandbox, "check").returncode == 0
 
 
+def test_materialize_names_upstream_files_in_the_clone_exclude_only(sandbox):
+    """In a git clone, materialize lists upstream's files in info/exclude (its block replaced,
+    the user's own rules kept): git status shows a new file in megatron/ and hides the rest."""
+    git = ["git", "-C", str(sandbox)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    exclude = sandbox / ".git" / "info" / "exclude"
+    exclude.write_text("my-own-rule\n")
+    for _ in range(2):  # a second materialize replaces the block, never appends another
+        assert run(sandbox, "materialize", "--force").returncode == 0
+    text = exclude.read_text()
+    assert text.startswith("my-own-rule\n") and text.count("tools/fork.py materialize:") == 1
+    new = sandbox / "megatron" / "core" / "a_new_source.py"
+    new.write_text("X = 1\n")
+    status = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=all", "--", "megatron"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert status == "?? megatron/core/a_new_source.py\n"
+    ignored = subprocess.run([*git, "check-ignore", "-q", TARGET], check=False)
+    assert ignored.returncode == 0
+
+
 def test_a_new_patch_is_named_by_its_fork_change_slug_uncut(sandbox, tmp_path):
     """One name per change: ``commit --new`` + export name the file NNNN-<Fork-Change>.patch,
     the next number after the series, and never cut a long name."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError
 from . import records as records_mod
+from . import excludes
 from . import sources as sources_mod
 from .series import CLEAN, GROUPS, classify, load_series, read_series
 from .upstream import obtain_tree
@@ -85,8 +86,8 @@ def _tracked(ws):
 def _dirty(ws):
     """Return the edits in megatron/ (and tests/unit_tests/) not yet in a queue commit or patches/.
 
-    The repository's .gitignore ignores both apart from the fork's source files, so new files are
-    listed without ignore rules, minus Python caches. A source file counts only where it differs
+    The queue's own status (not the clone's ignore rules, which name upstream's files) lists new
+    files, minus Python caches. A source file counts only where it differs
     from what the base's patches create: one that merely lags behind patches/ (after a git pull),
     or that this base does not carry, holds no work.
     """
@@ -366,6 +367,10 @@ def materialize(pin, base_name, ws, force=False, dest_tree=None, **source):
                 kept = sources_mod.snapshot(ws.root, ws.patch_root)
                 _swap(ws, tmp / "megatron", ws.tree, tmp / ".pq", ws.pq, extra=(UNIT_TESTS,))
                 sources_mod.restore(ws.root, kept)  # the fork's sources are never overwritten
+                excludes.write(
+                    ws.root,
+                    excludes.generated(ws.root, ws.tree, sources_mod.paths(ws.patch_root)),
+                )
             except OSError as exc:
                 raise io_error(exc, f"cannot place the new tree at {ws.root}") from exc
             return [p.name for p in patches]
