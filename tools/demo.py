@@ -31,6 +31,11 @@ RESUME = "tests.scenarios.resume_e2e:scenario_resume_run"
 # world of fresh processes then loads that checkpoint and trains on. The unstopped run is
 # tests/test_resume_e2e.py's own 'distopt-dp' call (shared in the suite).
 RESUME_N, RESUME_K = 4, 2
+# The MoE row: tests/test_moe_oracle.py's model at TP 2 (per-token loss, a padding mask, the
+# distributed optimizer, aux + seq aux + global aux losses and the z-loss), its routers' weight
+# gradients against the same model's float64 gradients in one process.
+MOE = "tests.scenarios.moe_oracle:scenario_parallel"
+MOE_REFERENCE = "tests.scenarios.moe_oracle:scenario_reference"
 
 
 def world_size():
@@ -54,6 +59,8 @@ def short(result):
         return "fails loudly: " + result["raised"].split("\n")[0][:80] + " ..."
     if "resume" in result:
         return result["resume"]
+    if "moe" in result:
+        return result["moe"]
     if "losses" in result:
         return "trains, losses " + ", ".join(f"{x:.4f}" for x in result["losses"])
     if "grad_after_sync" in result:
@@ -100,6 +107,7 @@ def rows(world):
         ("expert grad sync, TP2/EP1/ETP1 (0009)", EXPERT_SYNC, sync, sync, 2),
         (f"distributed optimizer saved at iteration {RESUME_K}, resumed in new processes",
          RESUME, {}, {}, 2),
+        ("MoE router grad vs FP64: TP 2, per-token loss, padding mask, distopt", MOE, {}, {}, 2),
     ]  # fmt: skip
 
 
@@ -166,6 +174,46 @@ class ResumeRow:
         return f"resumes bitwise (losses {losses}, model, optimizer state)"
 
 
+def moe_case(base):
+    """The MoE row's case, in tests/test_moe_oracle.py's terms (its 'tp2-pt1-pad1-do1' without
+    the expert bias, which a padding mask breaks on some pristine bases before any gradient)."""
+    return dict(
+        name="demo-tp2-pt1-pad1-do1-nobias", world=2, layout={"tp": 2}, dp=1, cp=1,
+        lb=["aux_loss", "seq_aux_loss", "global_aux_loss"], z=True, mtp=False, per_token=True,
+        pad=True, distopt=True, bias=False, mtp_last_padded=base == "dev", linear_bias=False,
+        dense_first=False,
+    )  # fmt: skip
+
+
+class MoeRow:
+    """The MoE row of one tree: the case at TP 2 in the tree's world of 2, and the one-process
+    float64 reference on the fork tree of the same base."""
+
+    def __init__(self, world, tree, base):
+        from tests.harness.registry import call  # pylint: disable=import-outside-toplevel
+
+        self.case = moe_case(base)
+        self.parallel = call(world, tree, MOE, reuse=True, cases=[self.case])
+        self.reference = call(1, f"fork-{base}", MOE_REFERENCE, reuse=True, cases=[self.case])
+
+    def result(self):
+        """[rank 0's {'moe': the cell, 'moe_ok': whether it equals FP64 within the bound}]."""
+        from tests.scenarios import moe_oracle  # pylint: disable=import-outside-toplevel
+
+        name = self.case["name"]
+        for what, handle in (("parallel", self.parallel), ("reference", self.reference)):
+            failed = _failure(handle.result(), what)
+            if failed is not None:
+                return [{"moe": failed, "moe_ok": False}]
+        got = moe_oracle.router_grad_error(self.parallel.result(), self.reference.result(), name)
+        if got[0] == "error":
+            return [{"moe": "DIES: " + got[1].split("\n")[0][:100], "moe_ok": False}]
+        over, relative = got[1], got[2]
+        if over <= 1:  # no number: the last bits are the CPU's (the table is compared as text)
+            return [{"moe": "router grad = FP64 (within the float32 bound)", "moe_ok": True}]
+        return [{"moe": f"router grad off FP64 by {relative:.1%}", "moe_ok": False}]
+
+
 def _failure(per_rank, what):
     """None, or the cell of the first rank whose run raised or exited non-zero."""
     for res in per_rank:
@@ -195,6 +243,8 @@ def register(world, base):
                 handles[arm].append(None)
             elif target == RESUME:
                 handles[arm].append(ResumeRow(world, tree))
+            elif target == MOE:
+                handles[arm].append(MoeRow(world, tree, base))
             else:
                 handles[arm].append(call(world, tree, target, reuse=True, **kwargs))
     return handles
@@ -217,6 +267,8 @@ def expected(index, p, f, world, upstream_has_stats, upstream_has_sync):
         # pristine: no base carries the torch-Adam resume fix yet (candidate 5, change 0023)
         bitwise = f["resume"].startswith("resumes bitwise")
         return bitwise and not p["resume"].startswith("resumes bitwise")
+    if index == 7:
+        return f["moe_ok"] and not p["moe_ok"]
     if index == 5:
         fixed = set(f["grad_after_sync"].values()) == {f["correct_grad_after_sync"]}
         pristine_ok = set(p["grad_after_sync"].values()) == {p["correct_grad_after_sync"]}

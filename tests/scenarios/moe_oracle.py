@@ -813,3 +813,58 @@ def _parallel_cases(ctx, cases):
             res['error'] = f'{type(exc).__name__}: {exc}'[:400]
         out.append(res)
     return {'cases': out}
+
+
+# ------------------------------------------------------------------------------------------
+# Reading the results (tests/test_moe_oracle.py and the demo's MoE row).
+
+
+def region(off, shape):
+    """The slices of a parameter region (a ShardedTensor's global offset and local shape)."""
+    pre = len(off) - len(shape)
+    return tuple(slice(o, o + 1) for o in off[:pre]) + tuple(
+        slice(o, o + n) for o, n in zip(off[pre:], shape)
+    )
+
+
+def assemble(entries, values=None):
+    """{key: global float64 tensor} from (key, global shape, offset, shape, replica, values)."""
+    out = {}
+    for i, (key, gshape, off, shape, _rep, vals) in enumerate(entries):
+        tensor = out.setdefault(key, torch.zeros(gshape, dtype=torch.float64))
+        sl = region(off, shape)
+        vals = vals if values is None else values[i]
+        tensor[sl] = torch.tensor(vals, dtype=torch.float64).reshape(tensor[sl].shape)
+    return out
+
+
+def region_error(r64, r32, key, off, shape, vals):
+    """(error, bound) of one parameter region: its largest distance from the float64 reference,
+    and 8x the float32 run's distance plus 16 float32 eps of the largest element."""
+    sl = region(off, shape)
+    want = r64[key][sl].reshape(shape)
+    dist = float((r32[key][sl].reshape(shape) - want).abs().max())
+    bound = 8 * dist + 16 * torch.finfo(torch.float32).eps * float(want.abs().max())
+    value = torch.tensor(vals, dtype=torch.float64).reshape(shape)
+    return float((value - want).abs().max()), bound
+
+
+def router_grad_error(per_rank, reference, name):
+    """The case ``name``'s routers' weight gradients on every rank against the float64 one:
+    ('error', message) or ('grads', worst error / bound, worst error / largest float64 element).
+    ``per_rank``: scenario_parallel's result; ``reference``: scenario_reference's (world 1)."""
+    ref = {c['name']: c for c in reference[0]['cases']}[name]
+    if 'error' in ref:
+        return 'error', 'reference: ' + ref['error']
+    r64, r32 = assemble(ref['ref64']), assemble(ref['ref64'], ref['ref32_flat'])
+    worst = (0.0, 0.0)
+    for res in per_rank:
+        got = {c['name']: c for c in res['cases']}[name]
+        if 'error' in got:
+            return 'error', got['error']
+        for key, _gshape, off, shape, _rep, vals in got['grads']:
+            if '.router.weight' in key:
+                err, bound = region_error(r64, r32, key, off, shape, vals)
+                scale = float(r64[key].abs().max())
+                worst = max(worst, (err / bound, err / scale))
+    return 'grads', worst[0], worst[1]

@@ -8,8 +8,10 @@ records the tool writes:
 - the trailer block of every patch of every base (and, for a backport, its upstream author in
   ``From:`` and the ``commit <sha> upstream.`` line that opens its message);
 - docs/changes.md's change table between ``<!-- changes -->`` markers, one heading per family;
-  the README's count of the changes between ``<!-- change-count -->`` markers; and
-  tests/README.md's map from each change to its tests.
+  the README's count of the changes between ``<!-- change-count -->`` markers, and its
+  compatibility matrix between ``<!-- compat-matrix -->`` markers (from the check records of
+  tests/evidence/data/compat/, tools/megatron_fork/compat.py); and tests/README.md's map from
+  each change to its tests.
 
 ``drift`` names every place that disagrees with the records; ``check`` fails on it, and
 ``tools/fork.py records --write`` rewrites those places. Only the standard library is used.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import EXIT_USAGE, ForkError
+from . import compat
 from . import series as series_mod
 
 CHANGES_FILE = "changes.toml"
@@ -382,6 +385,9 @@ def plan(patch_root, pin):
     if readme.is_file():
         have = readme.read_text()
         want = _replace_block(have, COUNT_BEGIN, COUNT_END, count_line(changes), "README.md")
+        if compat.BEGIN in want:
+            matrix = compat.matrix_lines(patch_root.parent, pin["maintained"])
+            want = _replace_block(want, compat.BEGIN, compat.END, matrix, "README.md")
         files["README.md"] = (have, want)
     tests_readme = patch_root.parent / "tests" / "README.md"
     if tests_readme.is_file():
