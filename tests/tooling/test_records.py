@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
 from megatron_fork import (  # noqa: E402  pylint: disable=wrong-import-position
+    compat,
     evidence,
     records,
     upstream,
@@ -31,8 +32,8 @@ N_CHANGES = len(records.load(REPO / "patches", PIN["maintained"]))
 
 @pytest.fixture
 def copy(tmp_path):
-    """A copy of tools/, patches/, README.md, docs/changes.md and tests/README.md: a workspace
-    the tests may break."""
+    """A copy of tools/, patches/, README.md, docs/changes.md, tests/README.md and the
+    compatibility records: a workspace the tests may break."""
     root = tmp_path / "repo"
     shutil.copytree(REPO / "tools", root / "tools", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "patches", root / "patches")
@@ -41,6 +42,7 @@ def copy(tmp_path):
     shutil.copy(REPO / "docs" / "changes.md", root / "docs" / "changes.md")
     (root / "tests").mkdir()
     shutil.copy(REPO / "tests" / "README.md", root / "tests" / "README.md")
+    shutil.copytree(REPO / compat.DATA, root / compat.DATA)
     return root
 
 
@@ -103,6 +105,7 @@ HAND_EDITS = {
         "## Warmup and DDP calibration\n",
     ),
     "readme-count": ("README.md", f"\n{N_CHANGES} changes,", f"\n{N_CHANGES + 1} changes,"),
+    "readme-compat": ("README.md", "| not checked |", "| works |"),
     "tests-readme": (
         "tests/README.md",
         "| 0021 `expert-gtp-grad-sync` | `tests/test_expert_gtp_grads.py` |",
