@@ -92,6 +92,10 @@ def _resume_argv(ckpt, phase):
     i = argv.index('--log-interval')
     argv = argv[: i + 1] + [str(RESUME_INTERVAL)] + argv[i + 2 :]
     argv += ['--ckpt-format', 'torch', '--save', ckpt, '--save-interval', str(RESUME_AT)]
+    # Without dropout: the fork's resumed run keeps its restored RNG streams (changes
+    # resume-host-rng-data-iterators, rng-state-per-rank) where pristine's moves them, so only
+    # a run that draws nothing trains the same on both trees.
+    argv += ['--hidden-dropout', '0', '--attention-dropout', '0']
     if phase == 'first':
         return argv + ['--exit-interval', str(RESUME_AT)]
     return argv + ['--load', ckpt]

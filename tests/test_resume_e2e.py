@@ -68,6 +68,8 @@ MOE = [
     '--swiglu',
     '--disable-bias-linear',
 ]  # fmt: skip
+FORCE_LB = ['--moe-router-force-load-balancing']
+DISTOPT = ('--use-distributed-optimizer',)
 NEW_LR = ['--lr', '5e-4', '--min-lr', '5e-5']
 NO_DROPOUT = ['--hidden-dropout', '0', '--attention-dropout', '0']
 
@@ -90,9 +92,17 @@ CONFIGS = {
     # so the optimizer has not stepped when it saves (change distopt-fp16-no-step-yet)
     'distopt-fp16-no-step-yet': dict(ws=2, args=_args(2, remove=BF16, add=['--fp16'])),
     # plain DDP (Float16OptimizerWithFloat16Params)
-    'ddp': dict(ws=2, args=_args(2, remove=('--use-distributed-optimizer',))),
+    'ddp': dict(ws=2, args=_args(2, remove=DISTOPT)),
     # MoE, EP 2: expert and dense params in separate buffers of uneven sizes
     'moe-ep2': dict(ws=2, args=_args(2, add=MOE)),
+    # MoE, EP 2, plain DDP, the router's random logits (--moe-router-force-load-balancing) drawn
+    # from the expert-parallel tracker stream, which is seeded per EP rank (change
+    # rng-state-per-rank); and the same with --data-parallel-random-init (the states of every DP
+    # rank gathered into each checkpointed list)
+    'moe-ep2-ddp': dict(ws=2, args=_args(2, remove=DISTOPT, add=MOE + FORCE_LB)),
+    'moe-ep2-ddp-dprandom': dict(
+        ws=2, args=_args(2, remove=DISTOPT, add=MOE + FORCE_LB + ['--data-parallel-random-init'])
+    ),
     # the reference of 'override': a run started with the new LR
     'distopt-dp-new-lr': dict(
         ws=2,
@@ -130,6 +140,9 @@ RESUMES.update(
             ref='distopt-dp',
             how='bitwise',
         ),
+        # A checkpoint of the pristine base (RNG states in the (PP, TP) layout) resumed by the
+        # fork: it reads the older layout (change rng-state-per-rank).
+        'legacy-rng-layout': dict(src='ddp', src_tree=PRISTINE, ref='ddp', how='bitwise'),
         'reshard-dp4-to-dp2': dict(
             src='w4-fully', ws=2, args=CONFIGS['w2-gbs16']['args'], ref='w4-fully', how='reshard'
         ),
@@ -153,7 +166,13 @@ PRISTINE_RESUMES = {
         else 'the run stopped at K, rank 0: RuntimeError: The size of tensor a (128) must match '
         'the size of tensor b (64) at non-singleton dimension 0'
     ),
-    'ddp': "host RNG differs after the load and the iterators (rank 0: ['torch'])",
+    'ddp': "RNG differs after the load and the iterators (rank 0: ['torch']; rank 1: ['torch'])",
+    # Every DP x CP rank restores DP x CP rank 0's states: EP rank 1 gets EP rank 0's
+    # expert-parallel stream (change rng-state-per-rank) besides the iterators' draws.
+    'moe-ep2-ddp': (
+        "RNG differs after the load and the iterators (rank 0: ['torch']; "
+        "rank 1: ['torch', 'tracker:expert-parallel-rng'])"
+    ),
 }
 
 
@@ -200,11 +219,12 @@ def _resumed(tree, ws):
     """Every resume of this tree and world size, in one world of fresh processes."""
     names = [n for n in RESUMES_OF[tree] if _resume_spec(n)['ws'] == ws]
     for name in names:  # the checkpoints must exist first
-        STOPPED[(tree, RESUMES[name]['src'])].result()
+        spec = _resume_spec(name)
+        STOPPED[(spec.get('src_tree', tree), spec['src'])].result()
     calls = []
     for name in names:
         spec = _resume_spec(name)
-        ckpt = _ckpt_dir(tree, spec['src'])
+        ckpt = _ckpt_dir(spec.get('src_tree', tree), spec['src'])
         argv = spec['args'] + ['--load', ckpt]  # no --save: another resume reads it too
         calls.append((S, dict(argv=argv, **spec['kw'])))
     results = run_world(ws, tree, calls, timeout=default_timeout(len(calls)) + 120 * len(calls))
@@ -241,7 +261,8 @@ def _check(tree, name):
     """What the resume check says: None (passes) or the first way it fails."""
     spec = _resume_spec(name)
     try:
-        stopped = _ok(STOPPED[(tree, spec['src'])].result(), f'{name}: the run stopped at K')
+        src = (spec.get('src_tree', tree), spec['src'])
+        stopped = _ok(STOPPED[src].result(), f'{name}: the run stopped at K')
         resumed = _ok(_resumed(tree, spec['ws'])[name], f'{name}: the resumed run')
     except RunFailed as exc:
         return str(exc)
@@ -255,11 +276,14 @@ def _check(tree, name):
         for rank, (got, saved) in enumerate(zip(resumed, stopped)):
             if got['start']['model'] != _by_iteration(saved)[K]['model']:
                 return f'model differs after the load (rank {rank})'
+        moved = []
         for rank, (got, ref) in enumerate(zip(resumed, reference)):
             want = _by_iteration(ref)[K]['rng']
             streams = [s for s in sorted(want) if got['start']['rng'][s] != want[s]]
             if streams:
-                return f'host RNG differs after the load and the iterators (rank {rank}: {streams})'
+                moved.append(f'rank {rank}: {streams}')
+        if moved:
+            return f'RNG differs after the load and the iterators ({"; ".join(moved)})'
 
     for rank, (got, ref) in enumerate(zip(resumed, reference)):
         diff = _first_difference(got, ref, keys or ITERATION_KEYS + STEP_KEYS)

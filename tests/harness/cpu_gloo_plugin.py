@@ -50,6 +50,7 @@ def pytest_configure(config):
     # uses) is kept on a CPU generator, as in the fork's own pretrain() tests.
     names = ('random', 'get_rng_state', 'set_rng_state', 'manual_seed', 'manual_seed_all')
     redirect._ACTIVE.update({name: redirect.PRETRAIN_COVERED[name] for name in names})
+    redirect.patch_tracker_state_setter()
 
     import megatron.core.parallel_state as ps
     from tests.unit_tests.test_utilities import Utils

@@ -95,13 +95,17 @@ COVERED = {
 class _DeviceRngStandIn:
     """The one "device" generator of a CPU rank in pretrain mode (see pretrain_mode()).
 
-    Megatron's RNG tracker records and swaps device RNG states; on CPU ranks those states are
-    kept on a private CPU generator. CPU kernels (dropout included) draw from torch's CPU
-    generator, which initialize_megatron seeds with torch.manual_seed.
+    On a GPU, "device" kernels (dropout, the router's random logits) draw from the CUDA
+    generator, and Megatron's RNG tracker swaps a stream's state into it for the length of a
+    ``fork()``. On a CPU rank those kernels draw from torch's CPU generator, so that is the
+    generator the tracker's states live in: under ``fork(name)`` a draw comes from the stream
+    ``name``, as on a GPU, and a stream that a resume does not restore shows in what is drawn
+    under its fork. (Seeding it seeds torch's CPU generator: initialize_megatron seeds both with
+    the same number.)
     """
 
     def __init__(self):
-        self.generator = torch.Generator()
+        self.generator = torch.default_generator
 
     def manual_seed(self, seed):
         self.generator.manual_seed(int(seed))
@@ -143,14 +147,35 @@ PRETRAIN_COVERED = {
 _ACTIVE = dict(COVERED)
 
 
+def _set_device_rng_state(new_state, device=-1, graph_safe=False):
+    """tensor_parallel/random.py's ``_set_cuda_rng_state`` on a CPU rank. Upstream's queues the
+    set with ``torch.cuda._lazy_call``, which never runs without a CUDA context: a tracker's
+    ``fork()`` would then neither swap its stream in nor put the previous state back."""
+    _DEVICE_RNG.set_rng_state(new_state)
+
+
+def patch_tracker_state_setter():
+    """Make the RNG tracker's state sets take effect on CPU ranks (idempotent); returns the
+    function it replaced (megatron is imported here, not at the redirect's import)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    replaced = tp_random._set_cuda_rng_state
+    tp_random._set_cuda_rng_state = _set_device_rng_state
+    return replaced
+
+
 @contextlib.contextmanager
 def pretrain_mode():
     """Extend the redirect with PRETRAIN_COVERED while upstream pretrain() runs (CPU worlds)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
     saved = dict(_ACTIVE)
     _ACTIVE.update(PRETRAIN_COVERED)
+    replaced = patch_tracker_state_setter()
     try:
         yield
     finally:
+        tp_random._set_cuda_rng_state = replaced
         _ACTIVE.clear()
         _ACTIVE.update(saved)
 

@@ -14,10 +14,11 @@ scale, bitwise), it records after every real iteration:
 - with ``full=True``, the gathered model params in full (for runs whose layout changes between
   save and resume, where digests of per-rank shards cannot be compared).
 
-- the host's random number streams (Python, NumPy, torch CPU) at the start of train(), after
-  the load and the data iterators' build, and after every real iteration: a resumed run must go
-  on with the very streams of the run that never stopped (on CPU ranks dropout draws from the
-  CPU generator, so a stray draw also shows in every later loss).
+- every random number stream (Python, NumPy, torch CPU, and each stream of Megatron's RNG
+  tracker, per rank) at the start of train(), after the load and the data iterators' build, and
+  after every real iteration: a resumed run must go on with the very streams of the run that
+  never stopped (on CPU ranks dropout draws from the CPU generator, under a tracker fork from
+  the fork's stream, so a stray or wrong state also shows in every later loss).
 
 Test-only shim:
 
@@ -76,13 +77,19 @@ def _groups(optimizer):
     ]
 
 
-def _host_rng():
-    """A digest of each host random number stream: {'python', 'numpy', 'torch'}."""
+def _rng():
+    """A digest of each random number stream: 'python', 'numpy', 'torch' (the CPU generator,
+    which the CPU harness's "device" generator is), and 'tracker:<name>' for every stream of
+    Megatron's RNG tracker."""
+    from megatron.core import tensor_parallel
+
     states = {
         'python': repr(random.getstate()).encode(),
         'numpy': repr(np.random.get_state()).encode(),
         'torch': torch.get_rng_state().numpy().tobytes(),
     }
+    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        states[f'tracker:{name}'] = state.numpy().tobytes()
     return {name: hashlib.sha256(state).hexdigest()[:16] for name, state in states.items()}
 
 
@@ -103,7 +110,7 @@ def _step_recorder(out, full):
     @functools.wraps(original_train)
     def train(forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw):
         live.update(model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
-        out['start'] = {'model': _model_digest(model), 'rng': _host_rng()}
+        out['start'] = {'model': _model_digest(model), 'rng': _rng()}
         if full:
             out['start']['params'] = _full_params(model)
         return original_train(forward_step_func, model, optimizer, opt_param_scheduler, *a, **kw)
@@ -118,7 +125,7 @@ def _step_recorder(out, full):
             'optimizer': _optimizer_digest(optimizer),
             'groups': _groups(optimizer),
             'scheduler_steps': live['scheduler'].num_steps,
-            'rng': _host_rng(),
+            'rng': _rng(),
         }
         if full:
             record['params'] = _full_params(model)
