@@ -62,15 +62,23 @@ def check_torch(venv, base, out):
     env = {**os.environ, "FORK_TEST_BASE": base}
     for name in ("FORK_MEGATRON_LM", "FORK_TEST_DEV_REPO"):
         env.pop(name, None)
-    tests = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
-                           cwd=REPO, env=env, capture_output=True, text=True, check=False)  # fmt: skip
+    tests = subprocess.run(
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     sys.stdout.write(tests.stdout[-3000:])
     record = {
         "base": base,
         "fork_version": version.stdout.strip(),
         "torch": torch_version.split("+")[0],
         "torch_build": torch_version,
-        "python": _out([py, "-c", "import platform; print(platform.python_version())"]).stdout.strip(),
+        "python": _out(
+            [py, "-c", "import platform; print(platform.python_version())"]
+        ).stdout.strip(),
         "verify": "ok" if verify.returncode == 0 else f"exit {verify.returncode}",
         "test_files": len(files),
         **_counts(tests.stdout),
@@ -89,6 +97,7 @@ def check_torch(venv, base, out):
 
 
 def main(argv=None):
+    """The command line; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("torch", help="the fork of one base under the torch of a venv")

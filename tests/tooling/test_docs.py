@@ -166,7 +166,9 @@ def test_every_evidence_reference_resolves():
     (docs/evidence.md), and each folder that docs/evidence.md indexes is there."""
     paths = evidence.paths(REPO)
     if paths is None:
-        tiers.skip("evidence", "this clone has no evidence branch: git fetch origin evidence:evidence")
+        tiers.skip(
+            "evidence", "this clone has no evidence branch: git fetch origin evidence:evidence"
+        )
     missing, cited = [], 0
     for path in tracked_text_files():
         text = path.read_text(errors="replace")

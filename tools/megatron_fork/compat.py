@@ -18,7 +18,10 @@ import tomllib
 from pathlib import Path
 
 DATA = "tests/evidence/data/compat"
-BEGIN = "<!-- compat-matrix: generated from tests/evidence/data/compat/ by `tools/fork.py records --write` -->"
+BEGIN = (
+    "<!-- compat-matrix: generated from tests/evidence/data/compat/ by"
+    " `tools/fork.py records --write` -->"
+)
 END = "<!-- /compat-matrix -->"
 
 

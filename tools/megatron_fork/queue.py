@@ -18,9 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError
+from . import EXIT_APPLY, EXIT_BUSY, EXIT_DIRTY, EXIT_IO, EXIT_USAGE, ForkError, excludes
 from . import records as records_mod
-from . import excludes
 from . import sources as sources_mod
 from .series import CLEAN, GROUPS, classify, load_series, read_series
 from .upstream import obtain_tree
@@ -368,8 +367,7 @@ def materialize(pin, base_name, ws, force=False, dest_tree=None, **source):
                 _swap(ws, tmp / "megatron", ws.tree, tmp / ".pq", ws.pq, extra=(UNIT_TESTS,))
                 sources_mod.restore(ws.root, kept)  # the fork's sources are never overwritten
                 excludes.write(
-                    ws.root,
-                    excludes.generated(ws.root, ws.tree, sources_mod.paths(ws.patch_root)),
+                    ws.root, excludes.generated(ws.root, ws.tree, sources_mod.paths(ws.patch_root))
                 )
             except OSError as exc:
                 raise io_error(exc, f"cannot place the new tree at {ws.root}") from exc

@@ -22,8 +22,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import EXIT_USAGE, ForkError
-from . import compat
+from . import EXIT_USAGE, ForkError, compat
 from . import series as series_mod
 
 CHANGES_FILE = "changes.toml"
