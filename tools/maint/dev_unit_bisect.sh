@@ -7,7 +7,7 @@
 # test files alone, and runs them (world 1 on CPU: gloo through tests/harness/cpu_redirect.py),
 # then the same files at the commit itself. One line per patch:
 #   FAILS-WITHOUT  the test fails (or errors) without the patch and passes with it
-#   CPU-SKIPS      every test skips on CPU without the patch (multi-rank or GPU cases only)
+#   CPU-SKIPS      every case skips on CPU (multi-rank or GPU cases only): nothing shown here
 #   PASSES-WITHOUT the test passes without the patch: it cannot catch the patch's removal
 #   BROKEN         the test does not pass with its patch
 # Exit 1 when any line is PASSES-WITHOUT or BROKEN. The checkout is back at HEAD afterwards.
@@ -23,6 +23,9 @@ base=${DEV_BASE:-}
 # 0049's test needs dynamo outside the redirect's TorchFunctionMode (ci.yml says why).
 native=tests/unit_tests/fusions/test_routed_token_fuser.py
 trap 'git -C "$mlm" checkout -q -f "$head"' EXIT
+# Checkouts a second apart can leave a .pyc that still matches the new source's mtime and size.
+export PYTHONDONTWRITEBYTECODE=1
+find "$mlm/megatron" "$mlm/tests" -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null
 
 run_tests() {  # run_tests FILE...: pytest's closing line (world 1 on CPU)
   local redirect=(env FORK_CPU_REDIRECT="$here/tests/harness/cpu_redirect.py"
@@ -44,8 +47,10 @@ for commit in $(git -C "$mlm" rev-list --reverse "$base..$head"); do
   without=$(run_tests "${tests[@]}")
   git -C "$mlm" checkout -q -f "$commit"
   with=$(run_tests "${tests[@]}")
-  if ! [[ "$with" =~ passed ]] || [[ "$with" =~ failed|error ]]; then
+  if [[ "$with" =~ failed|error ]] || ! [[ "$with" =~ passed|skipped ]]; then
     verdict=BROKEN; status=1
+  elif ! [[ "$with" =~ passed ]]; then
+    verdict=CPU-SKIPS
   elif [[ "$without" =~ failed|error ]]; then
     verdict=FAILS-WITHOUT
   elif ! [[ "$without" =~ passed ]]; then
