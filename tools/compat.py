@@ -49,6 +49,7 @@ def check_torch(venv, base, out):
         print(f"compat: {py} does not exist; make the venv and install torch into it first",
               file=sys.stderr)  # fmt: skip
         return None, 2
+    before = _out([py, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
     inst = subprocess.run(["tools/install.sh", "--venv", str(venv), "--base", base, "--test-deps"],
                           cwd=REPO, check=False)  # fmt: skip
     if inst.returncode != 0:
@@ -56,6 +57,11 @@ def check_torch(venv, base, out):
         return None, 1
     version = _out([py, "-c", "import importlib.metadata as m; print(m.version('megatron-core'))"])
     torch_version = _out([py, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
+    if torch_version != before:
+        print(f"compat: installing the fork replaced the venv's torch {before} by {torch_version}"
+              " (a pip constraint? PIP_CONSTRAINT=/dev/null lifts a configured one); nothing "
+              "was recorded", file=sys.stderr)  # fmt: skip
+        return None, 1
     verify = subprocess.run([str(Path(venv) / "bin" / "megatron-fork-verify"), "--import"],
                             cwd="/", capture_output=True, text=True, check=False)  # fmt: skip
     files = _out([py, "tools/fork.py", "tests"]).stdout.split()
