@@ -41,8 +41,9 @@ def torch_runs(root):
 
 
 def _torch_cell(record):
-    if record["failed"] or record["verify"] != "ok":
-        return f"{record['torch']} FAILED ({record['failed']} failed)"
+    if record["failed"] or record["errors"] or record["pytest_exit"] or record["verify"] != "ok":
+        failed, status = record["failed"], record["pytest_exit"]
+        return f"{record['torch']} FAILED ({failed} failed, pytest exit {status})"
     return f"{record['torch']} ({record['passed']} passed)"
 
 
