@@ -288,6 +288,22 @@ def _train_recorder(out, original_train):
     return train
 
 
+def _eval_recorder(out, original_evaluate):
+    """evaluate, recording per call and loss key the value it returns (the one
+    evaluate_and_print_results prints)."""
+
+    @functools.wraps(original_evaluate)
+    def evaluate(*a, **kw):
+        result = original_evaluate(*a, **kw)
+        totals = result[0] or {}
+        out['evaluations'].append(
+{key: _hexes(value) for key, value in sorted(totals.items())}
+        )
+        return result
+
+    return evaluate
+
+
 def _warmup_recorders(out, training):
     """train_step counting the real steps and run_warmup recording each call: (both wrappers)."""
     original_run = training.run_warmup
@@ -334,6 +350,7 @@ def _recorders(out):
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(training, 'training_log', training_log))
         stack.enter_context(patched(training, 'train', train))
+        stack.enter_context(patched(training, 'evaluate', _eval_recorder(out, training.evaluate)))
         warmup = None
         with contextlib.suppress(ImportError):
             from megatron.training import warmup
@@ -462,7 +479,8 @@ def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
         {'exit': SystemExit code or None, 'argparse_error': last 'error:' line on stderr,
         'iterations': [per real iteration: losses/lr/loss_scale/grad_norm as float hex],
         'final_model'/'final_optimizer': digests after train(), 'warmup_calls': [num_steps],
-        'warmup_log': the '[warmup]' stdout lines, 'printed_loss': {iteration: lm loss}}.
+        'warmup_log': the '[warmup]' stdout lines, 'printed_loss': {iteration: lm loss},
+        'evaluations': [per evaluate() call: {loss key: value as float hex}]}.
     """
     workdir, script = _driver_script(ctx, driver, tag)
 
@@ -479,6 +497,7 @@ def scenario_pretrain_gpt(ctx, argv, driver='tiny_gpt', tag=None):
         'iterations': [],
         'warmup_calls': [],
         'warmup_log': [],
+        'evaluations': [],
     }
     on_cpu = ctx.device.type == 'cpu'
     _prepare_world(ctx)
