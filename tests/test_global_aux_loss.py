@@ -35,6 +35,12 @@ CASES = [
     for pt in (False, True)
     for pat in PATTERNS
 ]
+# Two steps in one run: the tracker's reset between them must restart the running counts.
+CASES += [
+    dict(c, name=c['name'] + '-2steps', steps=2)
+    for c in CASES
+    if c['loss'] == 'global_aux_loss' and c['pattern'] == 'uneven'
+]
 TP2_CASES = [
     dict(c, name=c['name'] + '-tp2', tp=2)
     for c in CASES
@@ -47,14 +53,26 @@ RUNS = {
 }
 
 
-def _grad(tree, world, name):
+def _rows(tree, world, name):
     per_rank = RUNS[(tree, world)].result()
     rows = []
     for rank, res in enumerate(per_rank):
         assert 'error' not in res, f'rank {rank}: {res["error"]}'
         [row] = [c for c in res['cases'] if c['name'] == name]
         assert 'error' not in row, f'rank {rank}: {row["error"]}'
-        rows.append(torch.tensor(row['grad'], dtype=torch.float64))
+        rows.append(row)
+    return rows
+
+
+def _logged(tree, world, name):
+    """Per step and microbatch: the global aux loss as handed to the logging (over its
+    coefficient), summed over the ranks (each holds its share)."""
+    rows = _rows(tree, world, name)
+    return [[sum(per_mb) for per_mb in zip(*step)] for step in zip(*(r['logged'] for r in rows))]
+
+
+def _grad(tree, world, name):
+    rows = [torch.tensor(r['grad'], dtype=torch.float64) for r in _rows(tree, world, name)]
     for rank, row in enumerate(rows[1:], 1):  # every DP and TP rank holds the same reduced grad
         assert torch.equal(row, rows[0]), f'rank {rank} differs from rank 0'
     return rows[0]
@@ -70,6 +88,7 @@ def _params(cases, world):
 
 
 ALL = _params(CASES, 2) + _params(TP2_CASES, 4)
+GLOBAL = [p for p in ALL if 'global' in p.id]
 
 
 @pytest.mark.parametrize('case,world', ALL)
@@ -84,7 +103,7 @@ def test_fork_router_grad_is_the_definitions(case, world):
 PRISTINE_RIGHT = {'global_aux_loss-pt-even', 'global_aux_loss-pt-skewdp'}
 
 
-@pytest.mark.parametrize('case,world', [p for p in ALL if 'global' in p.id])
+@pytest.mark.parametrize('case,world', GLOBAL)
 def test_pristine_global_aux_loss(case, world):
     got = _grad(bases.PRISTINE, world, case['name'])
     ref = g.reference(case['loss'], case['per_token'], case['pattern'])
@@ -96,6 +115,23 @@ def test_pristine_global_aux_loss(case, world):
         # exactly what upstream computes: (a) and each rank's share averaged over DP (b)
         model = g.reference(case['loss'], False, case['pattern'], 'upstream-mean')
         assert _rel(got, model) < 1e-5
+
+
+@pytest.mark.parametrize('case,world', GLOBAL)
+def test_fork_logged_value_is_the_definitions(case, world):
+    """What the metrics tracker is handed is the loss's value (L_m summed over the ranks'
+    shares): the gradient's DP factor leaves it alone."""
+    ref = g.reference_values(case['pattern'])
+    for step in _logged(bases.FORK, world, case['name']):
+        assert step == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize('case,world', [p for p in GLOBAL if 'uneven' in p.id])
+def test_pristine_logged_value_misses_the_definition(case, world):
+    ref = g.reference_values(case['pattern'])
+    [step] = _logged(bases.PRISTINE, world, case['name'])[:1]
+    assert step[0] == pytest.approx(ref[0], rel=1e-5)  # the first microbatch is right
+    assert abs(step[1] / ref[1] - 1) > 0.05  # (a)
 
 
 @pytest.mark.parametrize('case', [c for c in CASES if c['loss'] == 'aux_loss'], ids=lambda c: c['name'])

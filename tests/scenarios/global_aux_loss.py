@@ -120,6 +120,20 @@ def reference(loss, per_token, pattern, variant='prefix'):
 # The parallel run (the tree under test), a world of DP = 2 CPU ranks.
 
 
+def reference_values(pattern):
+    """The definition's L_m (no coefficient) of each microbatch m: the global loss's value."""
+    w = _weight()
+    per = {(r, m): _scores(w, *_data(r, m, pattern)) for r in range(DP) for m in range(M)}
+    values, counts, tokens = [], 0.0, 0.0
+    for m in range(M):
+        scores = torch.cat([per[r, m][0] for r in range(DP)])
+        counts = counts + torch.cat([per[r, m][1] for r in range(DP)]).sum(0)
+        tokens += scores.shape[0]
+        f = counts / (TOPK * tokens)
+        values.append(float(EXPERTS * (f * scores.mean(0)).sum()))
+    return values
+
+
 class _RouterModule(torch.nn.Module):
     def __init__(self, config):
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -211,20 +225,31 @@ def _run(case):
 
             return probs, loss_func
 
-        model.zero_grad_buffer()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=M,
-            seq_length=SEQ,
-            micro_batch_size=BSZ,
-            forward_only=False,
-        )
-        ga = module.router.ga_steps
+        router = module.router
+        logged = []  # per step and microbatch: the global aux loss as handed to the logging
+        attach = router.attach_and_log_load_balancing_loss
+
+        def recording_attach(activation, coeff, aux_loss, name, *a, **kw):
+            if name == 'global_load_balancing_loss':
+                logged[-1].append(float(aux_loss.detach()) / coeff)
+            return attach(activation, coeff, aux_loss, name, *a, **kw)
+
+        router.attach_and_log_load_balancing_loss = recording_attach
+        for _ in range(case.get('steps', 1)):  # finalize_model_grads resets the tracker
+            logged.append([])
+            model.zero_grad_buffer()
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=M,
+                seq_length=SEQ,
+                micro_batch_size=BSZ,
+                forward_only=False,
+            )
         return {
-            'grad': module.router.weight.main_grad.detach().double().flatten().tolist(),
-            'ga_steps_after': None if ga is None else float(ga),
+            'grad': router.weight.main_grad.detach().double().flatten().tolist(),
+            'logged': logged,
         }
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
