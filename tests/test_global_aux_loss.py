@@ -15,7 +15,8 @@ tests/scenarios/global_aux_loss.py runs the tree's router through the real sched
 finalize_model_grads on DP 2 (and TP 2 x DP 2) CPU ranks, two microbatches, and compares the
 router weight's gradient with float64 gradients of the definition computed in this process.
 
-- Fork: every case within 1e-5 (relative; the grad buffers are float32) of the definition; ``aux_loss`` as the control.
+- Fork: every case within 1e-5 (relative; the grad buffers are float32) of the definition;
+  ``aux_loss`` as the control.
 - Pristine (counterfactual): the global-aux cases miss the definition (under the mean loss with
   even counts they equal the model of averaged shares, ``upstream-mean``), but for two per-token
   cases it gets right by accident.
@@ -134,7 +135,10 @@ def test_pristine_logged_value_misses_the_definition(case, world):
     assert abs(step[1] / ref[1] - 1) > 0.05  # (a)
 
 
-@pytest.mark.parametrize('case', [c for c in CASES if c['loss'] == 'aux_loss'], ids=lambda c: c['name'])
+AUX = [pytest.param(c, id=c['name']) for c in CASES if c['loss'] == 'aux_loss']
+
+
+@pytest.mark.parametrize('case', AUX)
 def test_pristine_aux_loss_control_holds(case):
     """The per-rank aux_loss is right on pristine too: the reference and harness are sound."""
     ref = g.reference(case['loss'], case['per_token'], case['pattern'])

@@ -272,5 +272,3 @@ def scenario_global_aux(ctx, cases):
                 res['error'] = f'{type(exc).__name__}: {exc}'[:300]
             out.append(res)
     return {'cases': out}
-
-

@@ -296,9 +296,7 @@ def _eval_recorder(out, original_evaluate):
     def evaluate(*a, **kw):
         result = original_evaluate(*a, **kw)
         totals = result[0] or {}
-        out['evaluations'].append(
-{key: _hexes(value) for key, value in sorted(totals.items())}
-        )
+        out['evaluations'].append({key: _hexes(value) for key, value in sorted(totals.items())})
         return result
 
     return evaluate

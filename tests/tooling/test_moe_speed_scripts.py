@@ -7,6 +7,7 @@
 - tools/maint/moe_act_microbench.py on CPU ranks' trees (small ffn): the fork holds at most two
   graphs of each weighted SwiGLU function after steps of changing per-expert counts, pristine
   more.
+- tools/maint/moe_step_bench.py: its switch between compiled and Python functions, on CPU.
 - tools/maint/trace_summary.py on a made-up chrome trace: the steps' wall and GPU busy time (the
   union of overlapping kernels), the launches per step, the tables per step, and exit code 2
   with one line for an unreadable trace or one without a profiled step. gpu_moe_speed.sh's
@@ -189,3 +190,43 @@ def test_trace_summary_bad_input(tmp_path):
         )
         assert run.returncode == 2
         assert len(run.stderr.splitlines()) == 1 and words in run.stderr, run.stderr
+
+
+STEP_BENCH = REPO / 'tools' / 'maint' / 'moe_step_bench.py'
+SWITCH_CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import moe_step_bench as b
+from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401  (imports the fused functions)
+from megatron.core.transformer.moe import router  # noqa: F401
+from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
+names = b._switch_all()
+for needed in ('bias_dropout_add_fused_train', 'weighted_swiglu', 'weighted_swiglu_back',
+               'TopKRouter._apply_expert_bias'):
+    assert needed in names, (needed, names)
+from torch._dynamo.utils import counters
+y, w = torch.randn(5, 8), torch.rand(5, 1)
+b._EAGER.update(names)
+eager = fused_bias_swiglu.weighted_swiglu(y, w)
+assert counters['stats']['unique_graphs'] == 0, 'the eager arm entered dynamo'
+b._EAGER.clear()
+compiled = fused_bias_swiglu.weighted_swiglu(y, w)
+assert counters['stats']['unique_graphs'] >= 1, 'the compiled arm did not compile'
+assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-6)
+print('switch ok', len(names))
+"""
+
+
+def test_moe_step_bench_switches_every_compiled_function():
+    """tools/maint/moe_step_bench.py's arms: every jit_fuser function megatron holds (module
+    globals and class members, the fork's routed wrappers too) is replaced by a switch; the
+    eager side never enters dynamo, the compiled side compiles, and both compute the same."""
+    for tree in ('fork', bases.PRISTINE):
+        run = subprocess.run(
+            [sys.executable, '-c', SWITCH_CHECK, str(STEP_BENCH.parent)],
+            env=dict(os.environ, PYTHONPATH=str(resolve_tree(tree))),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 0 and 'switch ok' in run.stdout, (tree, run.stderr[-2000:])

@@ -48,11 +48,13 @@ class _ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss, scale):
+        """The loss unchanged."""
         ctx.scale = scale
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        """The loss's gradient times the scale."""
         return grad * ctx.scale, None
 
 
