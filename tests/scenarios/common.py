@@ -116,6 +116,23 @@ def patched(owner, name, value):
         setattr(owner, name, saved)
 
 
+def each_case(cases, run):
+    """``[{'name': ..., **run(case)}]`` per case; a case that raises reports ``'error'`` (its
+    traceback on stderr, the rank log) and the next one still runs."""
+    out = []
+    for case in cases:
+        res = {'name': case['name']}
+        try:
+            res.update(run(case))
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            res['error'] = f'{type(exc).__name__}: {exc}'[:400]
+        out.append(res)
+    return out
+
+
 def init_parallel(tp=1, pp=1, ep=1, etp=None, cp=1, **kwargs):
     """Initialise megatron parallel_state (the harness destroys it after the call).
 

@@ -58,10 +58,11 @@ def _shard(sections, t, tp, dim=0):
 
 @contextlib.contextmanager
 def _stand_ins(gdn_mod_names):
+    """The MoE oracle's CPU stand-ins (tracker fork, eager, the norm marked as TE marks it) and
+    FLA's guard and ``l2norm`` (its formula) in the GatedDeltaNet modules."""
     import importlib
 
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from tests.scenarios.moe_oracle import _cpu_stand_ins
 
     saved = []
     for name in gdn_mod_names:
@@ -76,30 +77,10 @@ def _stand_ins(gdn_mod_names):
             if hasattr(mod, attr):
                 saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, val)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()
-    dyn = torch._dynamo.config.disable
-    torch._dynamo.config.disable = True
-    original = WrappedTorchNorm.__new__
-
-    def new(cls, config, *args, **kwargs):
-        sp = config.sequence_parallel
-        config.sequence_parallel = False
-        try:
-            norm = original(cls, config, *args, **kwargs)
-        finally:
-            config.sequence_parallel = sp
-        for p in norm.parameters():
-            setattr(p, 'sequence_parallel', sp)  # what TE's RMSNorm does
-        return norm
-
-    WrappedTorchNorm.__new__ = staticmethod(new)
     try:
-        yield
+        with _cpu_stand_ins():
+            yield
     finally:
-        WrappedTorchNorm.__new__ = original
-        torch._dynamo.config.disable = dyn
-        del tracker.fork
         for mod, attr, val in saved:
             setattr(mod, attr, val)
 
@@ -233,16 +214,7 @@ def scenario_gdn_out_norm(ctx, cases):
         names.append('megatron.core.ssm.gated_delta_net.gdn')
     except ImportError:
         pass
-    out = []
-    with _stand_ins(names):
-        for case in cases:
-            r = {'name': case['name']}
-            try:
-                r.update(_run(case))
-            except Exception as exc:  # noqa: BLE001
-                import traceback
+    from tests.scenarios.common import each_case
 
-                traceback.print_exc()
-                r['error'] = f'{type(exc).__name__}: {exc}'[:400]
-            out.append(r)
-    return {'cases': out}
+    with _stand_ins(names):
+        return {'cases': each_case(cases, _run)}

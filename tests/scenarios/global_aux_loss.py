@@ -257,18 +257,8 @@ def _run(case):
 
 
 def scenario_global_aux(ctx, cases):
+    from tests.scenarios.common import each_case
     from tests.scenarios.moe_oracle import _cpu_stand_ins
 
-    out = []
     with _cpu_stand_ins():
-        for case in cases:
-            res = {'name': case['name']}
-            try:
-                res.update(_run(case))
-            except Exception as exc:  # noqa: BLE001
-                import traceback
-
-                traceback.print_exc()
-                res['error'] = f'{type(exc).__name__}: {exc}'[:300]
-            out.append(res)
-    return {'cases': out}
+        return {'cases': each_case(cases, _run)}
