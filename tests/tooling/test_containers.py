@@ -6,14 +6,18 @@ as root (apt-get install podman debootstrap), and skips otherwise. The stand-in 
 and kept in podman's storage; each target is then built from scratch (no layer cache) with the
 offline kit in .whl/ (the pinned upstream wheel, pyyaml, einops), so no RUN step needs the network.
 The rocm target is built with ROCM_TE=skip: the stand-in has no ROCm and GitHub is not reached.
+Each image carries upstream's LICENSE and the fork's NOTICE in /usr/share/doc/megatron-core-fork/,
+read back from the built image (podman create and podman cp; nothing runs in it).
 docs/containers.md says what this proves and what only the real base images can.
 """
 
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -75,6 +79,20 @@ def last_run_output(log):
     return last.group(1), [line for line in body.splitlines() if line.strip()]
 
 
+def _image_file(image, path):
+    """The bytes of ``path`` in ``image``: a container is created (not started) and copied from."""
+    name = f'licence-check-{os.getpid()}'
+    res = run(['podman', 'create', '--name', name, image], timeout=300)
+    assert res.returncode == 0, res.stderr
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            res = run(['podman', 'cp', f'{name}:{path}', tmp], timeout=300)
+            assert res.returncode == 0, res.stderr
+            return (pathlib.Path(tmp) / os.path.basename(path)).read_bytes()
+    finally:
+        run(['podman', 'rm', '-f', name], timeout=300)
+
+
 @pytest.mark.parametrize('target', ['cuda', 'rocm'])
 def test_target_builds_on_standin_and_verifies(target, standin, kit):
     image = f'{TAG}:{target}'
@@ -95,5 +113,9 @@ def test_target_builds_on_standin_and_verifies(target, standin, kit):
         assert out[-1].strip() == 'verify: OK', '\n'.join(out[-30:])
         if target == 'rocm':
             assert 'ROCM_TE=skip: no Transformer Engine installed' in log
+        # The licence files where the Dockerfile puts them, read from the image (no podman run).
+        for name in ('LICENSE', 'NOTICE'):
+            expected = pathlib.Path(REPO, name).read_bytes()
+            assert _image_file(image, f'/usr/share/doc/megatron-core-fork/{name}') == expected, name
     finally:
         run(['podman', 'rmi', '-f', image], timeout=300)
