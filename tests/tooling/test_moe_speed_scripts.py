@@ -81,6 +81,32 @@ def test_gpu_moe_speed_arms(tmp_path):
             assert f'--moe-token-dispatcher-type {dispatcher}' in args_line
 
 
+def test_gpu_moe_speed_gc_probe(tmp_path):
+    """GC_PROBE=1 puts tools/maint/gc_probe/ after the tree on PYTHONPATH; without it, nothing."""
+    probe = REPO / 'tools' / 'maint' / 'gc_probe'
+    for flag, expected in (('1', f':{probe} '), ('0', ' ')):
+        run, trees = _speed(tmp_path, MODELS='ag8', ARMS='fork', TAG='g', GC_PROBE=flag)
+        assert run.returncode == 0, run.stderr
+        env_line = (tmp_path / 'logs' / 'ag8-fork-g1.log').read_text().splitlines()[0]
+        assert f'PYTHONPATH={trees["fork"]}{expected}' in env_line, env_line
+
+
+def test_gc_probe_reports_collections():
+    """The probe, imported as sitecustomize by a plain interpreter: a full collection's line as it
+    ends, the totals at exit, and the program's own output untouched."""
+    run = subprocess.run(
+        [sys.executable, '-c', 'import gc; gc.collect(); print("done")'],
+        env=dict(os.environ, PYTHONPATH=str(REPO / 'tools' / 'maint' / 'gc_probe')),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0 and run.stdout == 'done\n', run
+    assert re.search(r'^\[gc\] gen2 [\d.]+ ms collected \d+$', run.stderr, re.M), run.stderr
+    totals = r'^\[gc\] totals gen0: \d+ in \d+ ms gen1: .* gen2: [1-9]\d* in'
+    assert re.search(totals, run.stderr, re.M), run.stderr
+
+
 def test_gpu_moe_speed_deadline(tmp_path):
     run, _ = _speed(tmp_path, MODELS='ag8', ARMS='pristine fork', DEADLINE='1')
     assert run.returncode == 0

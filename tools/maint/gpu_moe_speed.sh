@@ -29,6 +29,9 @@
 # Logs: $OUT (default build/moe-speed-logs)/<model>-<arm>-<TAG><rep>.log;
 # tools/maint/moe_speed_table.py makes the table.
 # DEADLINE (epoch seconds): start no run after it (the runs left out are named).
+# GC_PROBE=1 puts tools/maint/gc_probe/ on PYTHONPATH: every full garbage collection is logged
+# as it ends ([gc] gen2 ...) and each generation's count and time at exit ([gc] totals ...).
+# EXTRA="--manual-gc" runs upstream's own manual collection instead (an arm to compare).
 set -uo pipefail
 fork=$(realpath "$1") pristine=$(realpath "$2") mlm=$(realpath "$3") repeats=${4:-2}
 out=${OUT:-$PWD/build/moe-speed-logs}
@@ -73,7 +76,9 @@ for rep in $(seq 1 "$repeats"); do
           --profile-step-end "${PROFILE#*:}" --tensorboard-dir "$name.prof/tb")
       fi
       started=$(date +%s)
-      (cd "$mlm" && env PYTHONPATH="$tree" PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles \
+      pythonpath=$tree
+      [ "${GC_PROBE:-0}" = 1 ] && pythonpath="$tree:$(cd "$(dirname "$0")" && pwd)/gc_probe"
+      (cd "$mlm" && env PYTHONPATH="$pythonpath" PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles \
         "${env_extra[@]}" python3 -m torch.distributed.run --nproc_per_node 1 \
         --master_port 29512 pretrain_gpt.py "${common[@]}" "${shape[@]}" "${extra[@]}" \
         ${EXTRA:-}) >"$name.log" 2>&1
