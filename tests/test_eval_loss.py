@@ -17,11 +17,16 @@ own token-weighted sum, the reference computed in the same test.
 - Pristine (counterfactual): with ``--sft`` the printed value differs (the mean of means).
 """
 
+import pytest
+
 from tests.harness import bases, call
 from tests.scenarios.pretrain import tiny_gpt_args
 
 S = 'tests.scenarios.pretrain:scenario_pretrain_gpt'
 WS = 2
+# Every claim compares runs of this file with each other (sft against no-sft, fork against
+# pristine), never a reference value: the non-native-capability pass of tools/test.sh skips it.
+pytestmark = pytest.mark.same_run_bitwise
 
 
 def _argv(sft):

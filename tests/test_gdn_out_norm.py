@@ -1,8 +1,8 @@
 """GatedDeltaNet's ``out_norm`` weight under TP 2 without sequence parallelism (issue 39 item 4).
 
 tests/scenarios/gdn_out_norm.py runs the tree's GatedDeltaNet through DDP, finalize_model_grads
-and Adam at TP 2 (with and without SP) and at TP 1 (the reference, one rank), with the same
-logical parameters and input.
+and Adam at TP 2 (with and without SP) and at TP 1 (the reference, one rank, on the fork's tree:
+at TP 1 the change does nothing), with the same logical parameters and input.
 
 - Fork: without SP every TP rank's ``out_norm`` grad equals the TP 1 layer's, the grad norm is
   the reference's and the weight copies stay equal over five steps; with SP the same (summed
@@ -21,8 +21,11 @@ S = 'tests.scenarios.gdn_out_norm:scenario_gdn_out_norm'
 TP2 = [dict(name='tp2-nosp', tp=2), dict(name='tp2-sp', tp=2, sp=True)]
 RUNS = {
     (tree, world): call(world, tree, S, cases=cases, timeout=300)
-    for tree in (bases.FORK, bases.PRISTINE)
-    for world, cases in ((1, [dict(name='tp1', tp=1)]), (2, TP2))
+    for tree, world, cases in (
+        (bases.FORK, 1, [dict(name='tp1', tp=1)]),  # the reference of both arms (at TP 1 the
+        (bases.FORK, 2, TP2),  # change does nothing: finalize_model_grads returns first)
+        (bases.PRISTINE, 2, TP2),
+    )
 }
 
 
@@ -55,7 +58,7 @@ def test_fork_out_norm_grads_are_the_tp1_layers(name):
 
 
 def test_pristine_out_norm_grads_are_partials_without_sp():
-    [ref] = _rows(bases.PRISTINE, 1, 'tp1')
+    [ref] = _rows(bases.FORK, 1, 'tp1')
     r0, r1 = _rows(bases.PRISTINE, 2, 'tp2-nosp')
     assert not _close(r0['out_norm_grad'], ref['out_norm_grad'])
     assert _close(
@@ -66,6 +69,6 @@ def test_pristine_out_norm_grads_are_partials_without_sp():
 
 
 def test_pristine_out_norm_grads_with_sp_control():
-    [ref] = _rows(bases.PRISTINE, 1, 'tp1')
+    [ref] = _rows(bases.FORK, 1, 'tp1')
     for row in _rows(bases.PRISTINE, 2, 'tp2-sp'):
         assert _close(row['out_norm_grad'], ref['out_norm_grad'])

@@ -208,10 +208,12 @@ class MoeRow:
         got = moe_oracle.router_grad_error(self.parallel.result(), self.reference.result(), name)
         if got[0] == "error":
             return [{"moe": "DIES: " + got[1].split("\n")[0][:100], "moe_ok": False}]
-        over, relative = got[1], got[2]
+        over = got[1]
         if over <= 1:  # no number: the last bits are the CPU's (the table is compared as text)
             return [{"moe": "router grad = FP64 (within the float32 bound)", "moe_ok": True}]
-        return [{"moe": f"router grad off FP64 by {relative:.1%}", "moe_ok": False}]
+        # No number either: how far pristine lands depends on which calls shared its world (the
+        # README's table is compared as text in CI, where the suite's calls share them).
+        return [{"moe": "router grad off FP64 (beyond the float32 bound)", "moe_ok": False}]
 
 
 def _failure(per_rank, what):
