@@ -14,9 +14,9 @@ the RNG restore is checked in the losses too.
 Configurations: the distributed optimizer with dp_reshardable and fully_reshardable checkpoints,
 plain DDP, bf16 with fp32 main params, fp16 with the loss scaler, one fp32 param among bf16 ones,
 per-module LRs (``--decoupled-lr``), several buckets, a small MoE with expert parallelism 2 (expert
-and dense params of uneven sizes), world 2 and 4; on a resume, ``--override-opt-param-scheduler``
-with a new LR (the resumed LRs must equal those of a run started with the new LR), and, on the
-fork, ``--warmup-train-steps``. Resharding: a DP 4 fully_reshardable checkpoint resumed at DP 2
+and dense params of uneven sizes), the MoE at TP 2 with sequence parallelism and EP 2, world 2 and
+4; on a resume, ``--override-opt-param-scheduler`` with a new LR (the resumed LRs must equal those
+of a run started with the new LR), and, on the fork, ``--warmup-train-steps``. Resharding: a DP 4 fully_reshardable checkpoint resumed at DP 2
 (same global batch): the loaded model is bitwise the saved one; the steps after it sum the
 gradients in another order, so they are compared with a bound measured in the same test (the
 distance between the DP 2 and DP 4 runs that never stopped).
@@ -102,6 +102,18 @@ CONFIGS = {
     'moe-ep2-ddp': dict(ws=2, args=_args(2, remove=DISTOPT, add=MOE + FORCE_LB)),
     'moe-ep2-ddp-dprandom': dict(
         ws=2, args=_args(2, remove=DISTOPT, add=MOE + FORCE_LB + ['--data-parallel-random-init'])
+    ),
+    # MoE at TP 2 with sequence parallelism and EP 2 (world 4, plain DDP): the model-parallel
+    # stream is seeded per TP rank and feeds the hidden dropout under SP, the expert-parallel
+    # stream per EP rank the router's random logits; each rank must resume its own (change
+    # rng-state-per-rank with TP > 1)
+    'moe-tp2-ep2': dict(
+        ws=4,
+        args=_args(
+            4, remove=DISTOPT, add=['--tensor-model-parallel-size', '2', '--sequence-parallel']
+        )
+        + MOE
+        + FORCE_LB,
     ),
     # the reference of 'override': a run started with the new LR
     'distopt-dp-new-lr': dict(

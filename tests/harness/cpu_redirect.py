@@ -137,6 +137,12 @@ PRETRAIN_COVERED = {
     'max_memory_allocated': lambda device=None: 0,
     'memory_reserved': lambda device=None: 0,
     'max_memory_reserved': lambda device=None: 0,
+    # training/arguments.py (TP or CP > 1: get_device_arch_version() < 10 asks for
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, a setting of GPU work queues): a CPU rank stands in for a
+    # device without that requirement.
+    'get_device_properties': lambda device=None: types.SimpleNamespace(
+        major=10, minor=0, name='CPU rank', total_memory=0, multi_processor_count=1
+    ),
     # tensor_parallel/random.py:110 (_get_cuda_rng_state reads torch.cuda.random.get_rng_state).
     'random': types.SimpleNamespace(
         get_rng_state=_DEVICE_RNG.get_rng_state,

@@ -116,6 +116,34 @@ def patched(owner, name, value):
         setattr(owner, name, saved)
 
 
+@contextlib.contextmanager
+def torch_norm_sequence_parallel():
+    """The local spec's torch LayerNorm (``WrappedTorchNorm``) under sequence parallelism, for
+    the whole block: it refuses SP, so it is built without it and its params get the
+    ``sequence_parallel`` mark that apex's FusedLayerNorm (the local spec's norm where apex is
+    installed) gives them, so that finalize_model_grads sums their grads over TP."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            setattr(param, 'sequence_parallel', sequence_parallel)
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = original
+
+
 def each_case(cases, run):
     """``[{'name': ..., **run(case)}]`` per case; a case that raises reports ``'error'`` (its
     traceback on stderr, the rank log) and the next one still runs."""

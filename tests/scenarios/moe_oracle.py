@@ -24,7 +24,7 @@ import hashlib
 
 import torch
 
-from tests.scenarios import moe_oracle_cp
+from tests.scenarios import common, moe_oracle_cp
 
 HIDDEN = 16
 HEADS = 4
@@ -583,36 +583,18 @@ def _cpu_stand_ins():
     - the CUDA RNG tracker's fork has no state: a no-op (dropout is 0);
     - torch.compile (the router's jit_fuser): eager, as tests/scenarios/moe_candidates.py
       (the CUDA-on-CPU redirect does not run under dynamo; compiling also costs most of a call);
-    - apex's FusedLayerNorm, which the local spec takes when apex is installed and which marks
-      its params ``sequence_parallel`` (so that finalize_model_grads sums their grads over TP):
-      the local spec's fallback, torch's LayerNorm (``WrappedTorchNorm``), refuses sequence
-      parallelism; it is built without it and its params get the same mark.
+    - torch's LayerNorm under sequence parallelism: ``common.torch_norm_sequence_parallel``.
     """
     from megatron.core import tensor_parallel
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
     compiled = torch._dynamo.config.disable
     torch._dynamo.config.disable = True
-    original = WrappedTorchNorm.__new__
-
-    def new(cls, config, *args, **kwargs):
-        sequence_parallel = config.sequence_parallel
-        config.sequence_parallel = False
-        try:
-            norm = original(cls, config, *args, **kwargs)
-        finally:
-            config.sequence_parallel = sequence_parallel
-        for param in norm.parameters():
-            setattr(param, 'sequence_parallel', sequence_parallel)
-        return norm
-
-    WrappedTorchNorm.__new__ = staticmethod(new)
     try:
-        yield
+        with common.torch_norm_sequence_parallel():
+            yield
     finally:
-        WrappedTorchNorm.__new__ = original
         torch._dynamo.config.disable = compiled
         del tracker.fork
 

@@ -36,7 +36,7 @@ import random
 import numpy as np
 import torch
 
-from tests.scenarios.common import import_with_real_cuda, patched
+from tests.scenarios.common import import_with_real_cuda, patched, torch_norm_sequence_parallel
 from tests.scenarios.pretrain import _hexes, scenario_pretrain_gpt
 
 
@@ -186,7 +186,10 @@ def scenario_resume_run(ctx, argv, full=False, fp32_params=None):
     # megatron.training imports GPU-only modules at import time; pretrain's scenario says how.
     import_with_real_cuda('megatron.training.training')
     out = {'steps': [], 'start': None}
-    with _keep_fp32(fp32_params), _step_recorder(out, full):
+    # The local spec's torch LayerNorm refuses sequence parallelism (MoE at TP > 1 needs it).
+    sp = '--sequence-parallel' in argv
+    norm = torch_norm_sequence_parallel() if sp else contextlib.nullcontext()
+    with _keep_fp32(fp32_params), _step_recorder(out, full), norm:
         result = scenario_pretrain_gpt(ctx, argv)
     result['steps'], result['start'] = out['steps'], out['start']
     return result
