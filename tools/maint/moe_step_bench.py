@@ -14,7 +14,11 @@ machine's drift reaches every arm alike:
   as under ``TORCHDYNAMO_DISABLE=1``);
 - ``act-eager``: only the experts' weighted activations (forward and backward) eager;
 - ``bda-eager``: only ``bias_dropout_add_fused_train`` eager;
-- ``rest-eager``: all but the experts' weighted activations eager.
+- ``rest-eager``: all but the experts' weighted activations eager;
+- ``actfwd-eager`` / ``actbwd-eager``: only the activations' forward / backward functions eager;
+- ``only:NAME+NAME`` / ``except:NAME+NAME``: only those eager / all but those eager;
+- ``noguard``: as ``compiled``, under ``set_stance(skip_guard_eval_unsafe=True)`` (what dynamo's
+  guard checks cost per call; not a mode to ship).
 
 Every compiled function that megatron's modules and classes hold is replaced by a switch between
 the two (every arm pays the switch).
@@ -25,6 +29,7 @@ compiled after the settling steps (0 is the claim of change 0049 for the fork).
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -34,6 +39,7 @@ import torch.distributed as dist
 
 _EAGER = set()  # names of the compiled functions that run eagerly in the current arm
 _SWITCHED = {}  # id of a compiled function -> (its name, its switch)
+_CALLS = {}  # name of a compiled function -> calls through its switch
 
 
 def _is_compiled(obj):
@@ -56,6 +62,7 @@ def _switch(obj, name):
         eager = inspect.unwrap(obj)
 
         def call(*args, **kwargs):
+            _CALLS[name] = _CALLS.get(name, 0) + 1
             return (eager if name in _EAGER else obj)(*args, **kwargs)
 
         _SWITCHED[id(obj)] = (name, call)
@@ -151,19 +158,33 @@ def main():
         'act-eager': act,
         'bda-eager': {n for n in names if n.startswith('bias_dropout_add')},
         'rest-eager': set(names) - act,
+        'actfwd-eager': {n for n in act if not n.endswith('_back')},
+        'actbwd-eager': {n for n in act if n.endswith('_back')},
+        'noguard': set(),
     }
     gen = torch.Generator().manual_seed(1234)
     positions = torch.arange(2048, device='cuda').unsqueeze(0)
 
     def step(arm):
         _EAGER.clear()
-        _EAGER.update(arms.get(arm, ()))
+        if arm.startswith('only:'):  # only:NAME+NAME eager
+            _EAGER.update(arm[5:].split('+'))
+        elif arm.startswith('except:'):  # all eager but NAME+NAME
+            _EAGER.update(arms['eager'] - set(arm[7:].split('+')))
+        else:
+            _EAGER.update(arms[arm])
         tokens = torch.randint(32000, (1, 2048), generator=gen).cuda()
         labels = torch.randint(32000, (1, 2048), generator=gen).cuda()
+        stance = (
+            torch.compiler.set_stance('default', skip_guard_eval_unsafe=True)
+            if arm == 'noguard'
+            else contextlib.nullcontext()
+        )
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = model(tokens, positions, None, labels=labels)
-        loss.float().mean().backward()
+        with stance:
+            loss = model(tokens, positions, None, labels=labels)
+            loss.float().mean().backward()
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
@@ -173,6 +194,9 @@ def main():
         for arm in names:
             step(arm)
     settled = _graphs()
+    _CALLS.clear()
+    step(names[0])
+    print('calls per step:', ', '.join(f'{k} {v}' for k, v in sorted(_CALLS.items())))
     times = {arm: [] for arm in names}
     for _ in range(args.rounds):
         for arm in names:
