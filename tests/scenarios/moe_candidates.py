@@ -276,9 +276,10 @@ def _moe_config(dtype, tp):
     )
 
 
-def _moe_grads(dtype, tp, seq, bsz):
+def _moe_grads(dtype, tp, seq, bsz, hand=False):
     """Upstream's MoELayer (local spec, biases on) at (tp, EP 1, ETP 1): this rank's grads of
-    sum(output * probe) over its sequence chunk, params set from their names."""
+    sum(output * probe) over its sequence chunk, params set from their names; with ``hand``, also
+    those of :func:`_hand_moe` (no megatron code) in want['hand'] and want['hand_bias_term']."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -316,20 +317,54 @@ def _moe_grads(dtype, tp, seq, bsz):
             .tolist()
             for e in range(EXPERTS)
         }
+        if hand:
+            params = {n: p.detach().double() for n, p in layer.named_parameters()}
+            want['hand'] = _hand_moe(params, x[sl], probe[sl], bias_term=False)
+            want['hand_bias_term'] = _hand_moe(params, x[sl], probe[sl], bias_term=True)
         return grads, want
     finally:
         ps.destroy_model_parallel()
 
 
+def _hand_moe(params, x, probe, bias_term):
+    """The MoE layer of _moe_config written out in float64 (router logits x W^T + b, top-k, a
+    softmax over the top-k logits; each expert fc2(gelu(fc1(x))) plus its fc2 bias, times the
+    token's probability), autograd over a copy of ``params``: {name: grad of sum(out * probe)}
+    as flat lists. With ``bias_term``, the loss is the fc2 bias term alone
+    (sum over tokens and experts of probs[t, e] * (bias_e . probe[t])): its router grads are the
+    share that reaches the router only through the fc2 biases."""
+    import torch.nn.functional as F
+
+    leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+    tokens = x.reshape(-1, HIDDEN)
+    logits = tokens @ leaves['router.weight'].T + leaves['router.bias']
+    top, index = logits.topk(TOPK, dim=-1)
+    probs = torch.zeros_like(logits).scatter(1, index, torch.softmax(top, dim=-1))
+    out = torch.zeros_like(tokens)
+    for e in range(EXPERTS):
+        names = ('fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias')
+        expert = {k: leaves[f'experts.local_experts.{e}.linear_{k}'] for k in names}
+        term = expert['fc2.bias'].expand_as(tokens)
+        if not bias_term:
+            hidden = F.gelu(tokens @ expert['fc1.weight'].T + expert['fc1.bias'])
+            term = term + hidden @ expert['fc2.weight'].T
+        out = out + probs[:, e : e + 1] * term
+    (out * probe.reshape(-1, HIDDEN)).sum().backward()
+    return {n: p.grad.flatten().tolist() for n, p in leaves.items() if p.grad is not None}
+
+
 def scenario_moe_bias_grads(ctx, seq=4, bsz=2):
     """Candidate 6: the MoE layer with biases at EP = ETP = 1 (TP = world), float32 and, in the same
-    process, float64. Returns 'grads' (or 'train_error'), 'ref64' (or 'ref_error') and 'bias_want':
-    the expert fc2 bias grads from the router's probabilities (float64)."""
+    process, float64. Returns 'grads' (or 'train_error'), 'ref64' (or 'ref_error'), 'bias_want':
+    the expert fc2 bias grads from the router's probabilities (float64), and 'hand' /
+    'hand_bias_term': the float64 layer written out without megatron (_hand_moe)."""
     res = {}
     for key, dtype in (('grads', torch.float32), ('ref64', torch.float64)):
         try:
-            res[key], want = _moe_grads(dtype, 1, seq, bsz)
+            res[key], want = _moe_grads(dtype, 1, seq, bsz, hand=dtype == torch.float64)
             if dtype == torch.float64:
+                res['hand'] = want.pop('hand')
+                res['hand_bias_term'] = want.pop('hand_bias_term')
                 res['bias_want'] = want
         except Exception as exc:  # noqa: BLE001
             res[key.replace('grads', 'train_error').replace('ref64', 'ref_error')] = (
