@@ -135,23 +135,47 @@ def _router_run(ctx, case, dtype, reference):
             DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64),
             module,
         )
-        x, mask = _global_batch(case['seq'], case['bsz'], case['pad'])
+        batches = [_global_batch(case['seq'], case['bsz'], bool(case['pad']))]
+        if case['pad'] == 'all':
+            # A second microbatch of padding only: no TP x CP rank holds a valid token.
+            gen = torch.Generator().manual_seed(SEED + 3)
+            x = torch.randn(batches[0][0].shape, generator=gen, dtype=torch.float64)
+            batches.append((x, torch.ones_like(batches[0][1])))
+            module.router.set_layer_number(1)  # the z-loss is logged for a numbered layer only
         rank = ps.get_tensor_model_parallel_rank()
         chunk = case['seq'] // tp
-        x_local = x[rank * chunk : (rank + 1) * chunk].to(dtype).contiguous()
-        mask_local = mask[rank * chunk : (rank + 1) * chunk].contiguous() if case['pad'] else None
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=dtype))
-        probs, _ = model(x_local, mask_local)
-        (probs * 0).sum().backward()
+        # The schedule's scale: 1 under per-token loss, 1 / num_microbatches else.
+        scale = 1.0 if per_token else 1.0 / len(batches)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=dtype))
+        logged = []
+        for x, mask in batches:
+            x_local = x[rank * chunk : (rank + 1) * chunk].to(dtype).contiguous()
+            mask_local = mask[rank * chunk : (rank + 1) * chunk].contiguous()
+            probs, _ = model(x_local, mask_local if case['pad'] else None)
+            (probs * 0).sum().backward()
+            if case['pad'] == 'all':
+                logged.append(_pop_logged_z_loss())
         # The loss function's count: the replica's valid tokens (the whole sequence, every TP
-        # rank); finalize_model_grads sums it over DP x CP and divides every grad by it.
-        num_tokens = torch.tensor(int((~mask).sum()), dtype=torch.int) if per_token else None
+        # rank, every microbatch); finalize_model_grads sums it over DP x CP and divides every
+        # grad by it.
+        valid = sum(int((~mask).sum()) for _, mask in batches)
+        num_tokens = torch.tensor(valid, dtype=torch.int) if per_token else None
         finalize_model_grads([model], num_tokens=num_tokens)
         grad = module.router.weight.main_grad.detach().double().clone()
-        return grad
+        return grad, logged
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
         ps.destroy_model_parallel()
+
+
+def _pop_logged_z_loss():
+    """The z-loss the router recorded in the MoE metrics tracker (layer 1), then emptied."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    metrics = get_moe_metrics_tracker().metrics
+    value = float(metrics['z_loss'].values[0])
+    metrics.clear()
+    return value
 
 
 def scenario_router_grads(ctx, cases, reference=False):
@@ -159,7 +183,10 @@ def scenario_router_grads(ctx, cases, reference=False):
 
     Args:
         cases: dicts with 'name', 'tp', 'loss' ('aux_loss', 'seq_aux_loss', 'global_aux_loss',
-            'z'), 'per_token', 'pad', 'seq', 'bsz'.
+            'z'), 'per_token', 'pad', 'seq', 'bsz'. 'pad': False, True (the mask of
+            _global_batch) or 'all': that padded microbatch, then one of padding only (two
+            microbatches of one step); its result also has 'logged': the z-loss the router
+            recorded per microbatch (a 'z' case).
         reference: run each case at TP 1 over the whole batch with the mean loss, in float64 and
             float32, each rank alone (its DP replicas compute the same grads): 'ref64', 'ref32'.
     """
@@ -168,10 +195,13 @@ def scenario_router_grads(ctx, cases, reference=False):
         res = {'name': case['name']}
         try:
             if reference:
-                res['ref64'] = _router_run(ctx, case, torch.float64, True).flatten().tolist()
-                res['ref32'] = _router_run(ctx, case, torch.float32, True).flatten().tolist()
+                res['ref64'] = _router_run(ctx, case, torch.float64, True)[0].flatten().tolist()
+                res['ref32'] = _router_run(ctx, case, torch.float32, True)[0].flatten().tolist()
             else:
-                res['grad'] = _router_run(ctx, case, torch.float32, False).flatten().tolist()
+                grad, logged = _router_run(ctx, case, torch.float32, False)
+                res['grad'] = grad.flatten().tolist()
+                if logged:
+                    res['logged'] = logged
         except Exception as exc:  # noqa: BLE001 - upstream's error is the result
             res['error'] = f'{type(exc).__name__}: {exc}'
         out.append(res)
