@@ -11,7 +11,9 @@ times the distance of that one-process run in float32 from float64.
 Candidate 4 compares the expert-bias token counts with those of the same router over the valid
 tokens only; candidate 5 runs the metrics tracker's ``report`` on PP = 2 where one stage has no
 MoE layer (the PP group's timeout is 5 s, so the hang becomes an error); candidate 6 trains the
-MoE layer with biases at EP = ETP = 1 (float32, and float64 in the same process as the oracle).
+MoE layer with biases at EP = ETP = 1 (float32, and float64 in the same process as the oracle;
+both against the layer written out in float64 without megatron code). The z-loss over a step
+whose second microbatch is padding only (0047's count clamp) runs in the TP 2 router call.
 """
 
 import math
