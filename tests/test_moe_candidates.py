@@ -11,8 +11,12 @@ times the distance of that one-process run in float32 from float64.
 Candidate 4 compares the expert-bias token counts with those of the same router over the valid
 tokens only; candidate 5 runs the metrics tracker's ``report`` on PP = 2 where one stage has no
 MoE layer (the PP group's timeout is 5 s, so the hang becomes an error); candidate 6 trains the
-MoE layer with biases at EP = ETP = 1 (float32, and float64 in the same process as the oracle).
+MoE layer with biases at EP = ETP = 1 (float32, and float64 in the same process as the oracle;
+both against the layer written out in float64 without megatron code). The z-loss over a step
+whose second microbatch is padding only (0047's count clamp) runs in the TP 2 router call.
 """
+
+import math
 
 import pytest
 import torch
@@ -52,6 +56,12 @@ CASES = [
     for pt in (False, True)
     for pad in (False, True)
 ]
+# z-loss over a step whose second microbatch is padding only (no TP rank holds a valid token),
+# mean and per-token loss: run in the TP 2 call only; its reference is the padded case's.
+PAD_ALL_CASES = [
+    dict(name=f'z-pt{int(pt)}-padall', tp=2, loss='z', per_token=pt, pad='all', seq=SEQ, bsz=BSZ)
+    for pt in (False, True)
+]
 # The replica's valid tokens in the padded batch (tests/scenarios/moe_candidates.py's mask).
 VALID = SEQ * BSZ - SEQ // 4 - 1
 BIAS_CASES = [
@@ -70,7 +80,9 @@ for _tree in TREES:
     CALLS[_tree, 'ref'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES, reference=True)
     CALLS[_tree, 'bias'] = call(2, _tree, MOD + 'scenario_expert_bias_counts', cases=BIAS_CASES)
     CALLS[_tree, 'mlp'] = call(2, _tree, MOD + 'scenario_moe_bias_grads')
-    CALLS[_tree, 'tp2'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES)
+    CALLS[_tree, 'tp2'] = call(
+        2, _tree, MOD + 'scenario_router_grads', cases=CASES + PAD_ALL_CASES
+    )
     CALLS[_tree, 'mtp'] = call(2, _tree, MOD + 'scenario_mtp_microbatches')
     for _gtp, _egtp in GTP_LAYOUTS if HAS_GTP else ():
         CALLS[_tree, 'gtp', _gtp, _egtp] = call(
@@ -100,6 +112,8 @@ def _router(tree):
     out = {}
     for rank in (0, 1):
         for c in _result(tree, 'tp2', rank)['cases']:
+            if c['name'] not in ref:  # PAD_ALL_CASES: test_z_loss_padding_only_microbatch
+                continue
             assert 'error' not in c and 'error' not in ref[c['name']], (tree, c, ref[c['name']])
             r64 = torch.tensor(ref[c['name']]['ref64'], dtype=torch.float64)
             r32 = torch.tensor(ref[c['name']]['ref32'], dtype=torch.float64)
@@ -200,6 +214,36 @@ def test_router_grads(tree):
         assert any(_pristine_factor(c['name']) != 1.0 for c in CASES)
 
 
+@pytest.mark.parametrize('tree', TREES)
+def test_z_loss_padding_only_microbatch(tree):
+    """A microbatch in which no TP x CP rank holds a valid token (the second of two; TP 2): the
+    logged z-loss and the router grad stay finite. That microbatch adds nothing: its logged
+    z-loss is 0 and the step's grad is the padded one-microbatch case's (same tree, same call)
+    times 1 / 2 under the mean loss (the schedule's 1 / num_microbatches), times 1 under
+    per-token loss (its count adds no token); on a tree with 0047 that is the oracle's too.
+
+    Pristine upstream has no such bug (z_loss_func clamps its count at 1): the case guards 0047's
+    share num_local / num_tokens over the group, 0 / 0 without its clamp."""
+    router = _router(tree)
+    for rank in (0, 1):
+        got = {c['name']: c for c in _result(tree, 'tp2', rank)['cases']}
+        for case in PAD_ALL_CASES:
+            res = got[case['name']]
+            assert 'error' not in res, (tree, res)
+            logged, grad = res['logged'], torch.tensor(res['grad'], dtype=torch.float64)
+            assert bool(torch.isfinite(grad).all()), (tree, case['name'], grad)
+            assert all(map(math.isfinite, logged)), (tree, case['name'], logged)
+            assert len(logged) == 2 and logged[0] > 0 and logged[1] == 0.0, (tree, case, logged)
+            pt = case['per_token']
+            padded = f"z-pt{int(pt)}-pad1"
+            one, ref, bound = router[padded]
+            factor = 1.0 if pt else 0.5
+            assert float((grad - factor * one).abs().max()) <= bound, (tree, case['name'])
+            if _fixed(tree, Z_VALID):
+                ok, err = _factor(grad, ref, bound, factor)
+                assert ok, (tree, case['name'], err, bound)
+
+
 # ------------------------------------------------------------------------------------------
 # 4: expert-bias token counts with a padding mask.
 
@@ -273,6 +317,20 @@ def test_moe_bias_ep1(tree):
             assert float(want.abs().max()) > 0, name
             ref = torch.tensor(res['ref64'][name], dtype=torch.float64)
             assert float((ref - want).abs().max()) <= 1e-12 * float(want.abs().max()), name
+        # Independent of the layer's code: the same layer written out in float64 (autograd over
+        # plain tensors). The router grads hold a share that comes only through the fc2 bias
+        # term (its probabilities times bias . probe), far above the bound: a bias term cut from
+        # the router's graph, which both dtypes above would share, fails here.
+        term = torch.tensor(res['hand_bias_term']['router.weight'], dtype=torch.float64)
+        for name, want in res['hand'].items():
+            want = torch.tensor(want, dtype=torch.float64)
+            # Upstream takes the top-k softmax in float32 whatever the router dtype.
+            bound = 256 * eps * max(float(want.abs().max()), 1.0)
+            if name == 'router.weight':
+                assert float(term.abs().max()) > 1e3 * bound, (term, bound)
+            for key in ('ref64', 'grads'):
+                got = torch.tensor(res[key][name], dtype=torch.float64)
+                assert float((got - want).abs().max()) <= bound, (key, name, got, want)
     else:
         assert res['train_error'].startswith(INPLACE_ERROR), res
         assert res['ref_error'].startswith(INPLACE_ERROR), res

@@ -135,23 +135,47 @@ def _router_run(ctx, case, dtype, reference):
             DistributedDataParallelConfig(grad_reduce_in_fp32=dtype != torch.float64),
             module,
         )
-        x, mask = _global_batch(case['seq'], case['bsz'], case['pad'])
+        batches = [_global_batch(case['seq'], case['bsz'], bool(case['pad']))]
+        if case['pad'] == 'all':
+            # A second microbatch of padding only: no TP x CP rank holds a valid token.
+            gen = torch.Generator().manual_seed(SEED + 3)
+            x = torch.randn(batches[0][0].shape, generator=gen, dtype=torch.float64)
+            batches.append((x, torch.ones_like(batches[0][1])))
+            module.router.set_layer_number(1)  # the z-loss is logged for a numbered layer only
         rank = ps.get_tensor_model_parallel_rank()
         chunk = case['seq'] // tp
-        x_local = x[rank * chunk : (rank + 1) * chunk].to(dtype).contiguous()
-        mask_local = mask[rank * chunk : (rank + 1) * chunk].contiguous() if case['pad'] else None
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=dtype))
-        probs, _ = model(x_local, mask_local)
-        (probs * 0).sum().backward()
+        # The schedule's scale: 1 under per-token loss, 1 / num_microbatches else.
+        scale = 1.0 if per_token else 1.0 / len(batches)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=dtype))
+        logged = []
+        for x, mask in batches:
+            x_local = x[rank * chunk : (rank + 1) * chunk].to(dtype).contiguous()
+            mask_local = mask[rank * chunk : (rank + 1) * chunk].contiguous()
+            probs, _ = model(x_local, mask_local if case['pad'] else None)
+            (probs * 0).sum().backward()
+            if case['pad'] == 'all':
+                logged.append(_pop_logged_z_loss())
         # The loss function's count: the replica's valid tokens (the whole sequence, every TP
-        # rank); finalize_model_grads sums it over DP x CP and divides every grad by it.
-        num_tokens = torch.tensor(int((~mask).sum()), dtype=torch.int) if per_token else None
+        # rank, every microbatch); finalize_model_grads sums it over DP x CP and divides every
+        # grad by it.
+        valid = sum(int((~mask).sum()) for _, mask in batches)
+        num_tokens = torch.tensor(valid, dtype=torch.int) if per_token else None
         finalize_model_grads([model], num_tokens=num_tokens)
         grad = module.router.weight.main_grad.detach().double().clone()
-        return grad
+        return grad, logged
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
         ps.destroy_model_parallel()
+
+
+def _pop_logged_z_loss():
+    """The z-loss the router recorded in the MoE metrics tracker (layer 1), then emptied."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    metrics = get_moe_metrics_tracker().metrics
+    value = float(metrics['z_loss'].values[0])
+    metrics.clear()
+    return value
 
 
 def scenario_router_grads(ctx, cases, reference=False):
@@ -159,7 +183,10 @@ def scenario_router_grads(ctx, cases, reference=False):
 
     Args:
         cases: dicts with 'name', 'tp', 'loss' ('aux_loss', 'seq_aux_loss', 'global_aux_loss',
-            'z'), 'per_token', 'pad', 'seq', 'bsz'.
+            'z'), 'per_token', 'pad', 'seq', 'bsz'. 'pad': False, True (the mask of
+            _global_batch) or 'all': that padded microbatch, then one of padding only (two
+            microbatches of one step); its result also has 'logged': the z-loss the router
+            recorded per microbatch (a 'z' case).
         reference: run each case at TP 1 over the whole batch with the mean loss, in float64 and
             float32, each rank alone (its DP replicas compute the same grads): 'ref64', 'ref32'.
     """
@@ -168,10 +195,13 @@ def scenario_router_grads(ctx, cases, reference=False):
         res = {'name': case['name']}
         try:
             if reference:
-                res['ref64'] = _router_run(ctx, case, torch.float64, True).flatten().tolist()
-                res['ref32'] = _router_run(ctx, case, torch.float32, True).flatten().tolist()
+                res['ref64'] = _router_run(ctx, case, torch.float64, True)[0].flatten().tolist()
+                res['ref32'] = _router_run(ctx, case, torch.float32, True)[0].flatten().tolist()
             else:
-                res['grad'] = _router_run(ctx, case, torch.float32, False).flatten().tolist()
+                grad, logged = _router_run(ctx, case, torch.float32, False)
+                res['grad'] = grad.flatten().tolist()
+                if logged:
+                    res['logged'] = logged
         except Exception as exc:  # noqa: BLE001 - upstream's error is the result
             res['error'] = f'{type(exc).__name__}: {exc}'
         out.append(res)
@@ -276,9 +306,10 @@ def _moe_config(dtype, tp):
     )
 
 
-def _moe_grads(dtype, tp, seq, bsz):
+def _moe_grads(dtype, tp, seq, bsz, hand=False):
     """Upstream's MoELayer (local spec, biases on) at (tp, EP 1, ETP 1): this rank's grads of
-    sum(output * probe) over its sequence chunk, params set from their names."""
+    sum(output * probe) over its sequence chunk, params set from their names; with ``hand``, also
+    those of :func:`_hand_moe` (no megatron code) in want['hand'] and want['hand_bias_term']."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -316,20 +347,54 @@ def _moe_grads(dtype, tp, seq, bsz):
             .tolist()
             for e in range(EXPERTS)
         }
+        if hand:
+            params = {n: p.detach().double() for n, p in layer.named_parameters()}
+            want['hand'] = _hand_moe(params, x[sl], probe[sl], bias_term=False)
+            want['hand_bias_term'] = _hand_moe(params, x[sl], probe[sl], bias_term=True)
         return grads, want
     finally:
         ps.destroy_model_parallel()
 
 
+def _hand_moe(params, x, probe, bias_term):
+    """The MoE layer of _moe_config written out in float64 (router logits x W^T + b, top-k, a
+    softmax over the top-k logits; each expert fc2(gelu(fc1(x))) plus its fc2 bias, times the
+    token's probability), autograd over a copy of ``params``: {name: grad of sum(out * probe)}
+    as flat lists. With ``bias_term``, the loss is the fc2 bias term alone
+    (sum over tokens and experts of probs[t, e] * (bias_e . probe[t])): its router grads are the
+    share that reaches the router only through the fc2 biases."""
+    import torch.nn.functional as F
+
+    leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+    tokens = x.reshape(-1, HIDDEN)
+    logits = tokens @ leaves['router.weight'].T + leaves['router.bias']
+    top, index = logits.topk(TOPK, dim=-1)
+    probs = torch.zeros_like(logits).scatter(1, index, torch.softmax(top, dim=-1))
+    out = torch.zeros_like(tokens)
+    for e in range(EXPERTS):
+        names = ('fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias')
+        expert = {k: leaves[f'experts.local_experts.{e}.linear_{k}'] for k in names}
+        term = expert['fc2.bias'].expand_as(tokens)
+        if not bias_term:
+            hidden = F.gelu(tokens @ expert['fc1.weight'].T + expert['fc1.bias'])
+            term = term + hidden @ expert['fc2.weight'].T
+        out = out + probs[:, e : e + 1] * term
+    (out * probe.reshape(-1, HIDDEN)).sum().backward()
+    return {n: p.grad.flatten().tolist() for n, p in leaves.items() if p.grad is not None}
+
+
 def scenario_moe_bias_grads(ctx, seq=4, bsz=2):
     """Candidate 6: the MoE layer with biases at EP = ETP = 1 (TP = world), float32 and, in the same
-    process, float64. Returns 'grads' (or 'train_error'), 'ref64' (or 'ref_error') and 'bias_want':
-    the expert fc2 bias grads from the router's probabilities (float64)."""
+    process, float64. Returns 'grads' (or 'train_error'), 'ref64' (or 'ref_error'), 'bias_want':
+    the expert fc2 bias grads from the router's probabilities (float64), and 'hand' /
+    'hand_bias_term': the float64 layer written out without megatron (_hand_moe)."""
     res = {}
     for key, dtype in (('grads', torch.float32), ('ref64', torch.float64)):
         try:
-            res[key], want = _moe_grads(dtype, 1, seq, bsz)
+            res[key], want = _moe_grads(dtype, 1, seq, bsz, hand=dtype == torch.float64)
             if dtype == torch.float64:
+                res['hand'] = want.pop('hand')
+                res['hand_bias_term'] = want.pop('hand_bias_term')
                 res['bias_want'] = want
         except Exception as exc:  # noqa: BLE001
             res[key.replace('grads', 'train_error').replace('ref64', 'ref_error')] = (
