@@ -342,6 +342,7 @@ def _resumed_bitwise(per_rank):
     for rank, res in enumerate(per_rank):
         where = (res['name'], rank)
         assert res['save_error'] is None and res['load_error'] is None, (where, res)
+        assert 'mismatches' in res, (where, 'another rank failed', res)
         assert res['mismatches'] == [], (where, res['mismatches'])
         assert res['next_step_equal'], (where, res['next_step_max_diff'])
         assert res.get('content_wrong', []) == [], (where, res['content_wrong'])
