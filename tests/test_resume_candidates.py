@@ -29,7 +29,9 @@ FIXED = {
 
 # Three plain params; p.1 gets a per-module override in the group-collision cases.
 SMALL = dict(sizes=[40, 24, 8], bucket_size=None, dtype='bf16', steps=3)
-P1 = '*.p.1'
+P0, P1 = '*.p.0', '*.p.1'
+# A weight decay that grows (the scheduler's default 'constant' asserts start_wd == end_wd).
+LINEAR_WD = dict(start_wd=0.01, end_wd=0.02, wd_incr_style='linear')
 
 SCHED_CASES = [
     # 1: a new --lr with --override-opt-param-scheduler on resume.
@@ -65,6 +67,71 @@ SCHED_CASES = [
         resume_overrides=[(P1, {'max_lr': 4e-3, 'min_lr': 4e-4})],
         **SMALL,
     ),
+    # 1: a per-module weight-decay override changed on resume (the WD half of the bounds).
+    dict(
+        name='c1_override_new_group_wd',
+        sharding=DP,
+        override_flag=True,
+        overrides=[(P1, {'start_wd': 0.1, 'end_wd': 0.1})],
+        resume_overrides=[(P1, {'start_wd': 0.2, 'end_wd': 0.2})],
+        **SMALL,
+    ),
+    # 1: the resume drops the WD part of a per-module override and keeps its LR part: the group
+    # takes the scheduler's weight decay, as in a run built with the new arguments.
+    dict(
+        name='c1_override_dropped_group_wd',
+        sharding=DP,
+        override_flag=True,
+        overrides=[(P1, {'max_lr': 2e-2, 'min_lr': 2e-3, 'start_wd': 0.1, 'end_wd': 0.1})],
+        resume_overrides=[(P1, {'max_lr': 2e-2, 'min_lr': 2e-3})],
+        **SMALL,
+    ),
+    # 1 without the flag: a new class weight decay (--start/--end-weight-decay); the checkpoint's
+    # schedule is kept from the first step after the load on. (An override that matches no param
+    # keeps weight decay on the 1-D params, in one group.)
+    dict(
+        name='c1_new_wd_checkpoint',
+        sharding=DP,
+        overrides=[('*.none', {'max_lr': 1e-2})],
+        resume_overrides=[('*.none', {'max_lr': 1e-2})],
+        resume_schedule=dict(start_wd=0.02, end_wd=0.02),
+        **SMALL,
+    ),
+    # 1: two per-module overrides change so that their groups swap places (groups are built in
+    # the order of their override values): saved [default, p.0, p.1], resumed [default, p.1,
+    # p.0]. Which saved group was whose cannot be told: refused, with or without the flag.
+    dict(
+        name='c1_group_order_swaps_checkpoint',
+        sharding=DP,
+        overrides=[(P0, {'max_lr': 2e-2, 'min_lr': 2e-3}), (P1, {'max_lr': 3e-2, 'min_lr': 3e-3})],
+        resume_overrides=[
+            (P0, {'max_lr': 6e-3, 'min_lr': 6e-4}),
+            (P1, {'max_lr': 4e-3, 'min_lr': 4e-4}),
+        ],
+        **SMALL,
+    ),
+    dict(
+        name='c1_override_group_order_swaps',
+        sharding=DP,
+        override_flag=True,
+        overrides=[(P0, {'max_lr': 2e-2, 'min_lr': 2e-3}), (P1, {'max_lr': 3e-2, 'min_lr': 3e-3})],
+        resume_overrides=[
+            (P0, {'max_lr': 6e-3, 'min_lr': 6e-4}),
+            (P1, {'max_lr': 4e-3, 'min_lr': 4e-4}),
+        ],
+        **SMALL,
+    ),
+    # 1: fewer current groups than saved ones under one old identifier (p.1's override dropped,
+    # the other two groups changed): refused, not paired by position.
+    dict(
+        name='c1_override_fewer_groups',
+        sharding=DP,
+        resume_lr=5e-3,
+        override_flag=True,
+        overrides=[(P0, {'max_lr': 2e-2, 'min_lr': 2e-3}), (P1, {'max_lr': 3e-2, 'min_lr': 3e-3})],
+        resume_overrides=[(P0, {'max_lr': 6e-3, 'min_lr': 6e-4})],
+        **SMALL,
+    ),
     # 2: groups that differ only in max_lr/min_lr (resume with unchanged arguments).
     dict(
         name='c2_group_lr',
@@ -88,7 +155,29 @@ SCHED_CASES = [
         resume_overrides=[(P1, {'start_wd': 0.1, 'end_wd': 0.1})],
         **SMALL,
     ),
+    # 2: groups that differ only in min_lr, or only in start_wd (a growing weight decay).
+    dict(
+        name='c2_group_min_lr',
+        sharding=DP,
+        overrides=[(P1, {'min_lr': 3e-3})],
+        resume_overrides=[(P1, {'min_lr': 3e-3})],
+        **SMALL,
+    ),
+    dict(
+        name='c2_group_start_wd',
+        sharding=DP,
+        schedule=LINEAR_WD,
+        overrides=[(P1, {'start_wd': 0.0})],
+        resume_overrides=[(P1, {'start_wd': 0.0})],
+        **SMALL,
+    ),
 ]
+# The fork refuses these loads (KeyError of the first group it cannot pair).
+SCHED_REFUSED = (
+    'c1_group_order_swaps_checkpoint',
+    'c1_override_group_order_swaps',
+    'c1_override_fewer_groups',
+)
 
 # 3: one fp32 param between two bf16 params, all in one param group (the bf16 buffer comes
 # first, so the group-order map built over the buffers disagrees with the installed order
@@ -128,6 +217,10 @@ ROUND_W2 = [
     dict(name='c5_adamw_dp_stepped', sharding=DP, adam='torch_w', load_steps=1, **TORCH),
     dict(name='c5_adam_fr_stepped', sharding=FR, adam='torch', load_steps=1, **TORCH),
     dict(name='c5_adamw_fr_stepped', sharding=FR, adam='torch_w', load_steps=1, **TORCH),
+    # 5 (0042): saved before the first step; the saving process trains on (its next step is its
+    # first real one), and so does the resumed one.
+    dict(name='c5_adam_dp_never', sharding=DP, adam='torch', **dict(TORCH, steps=0)),
+    dict(name='c5_adam_fr_never', sharding=FR, adam='torch', **dict(TORCH, steps=0)),
     # 6: uneven params, dp_reshardable, one optimizer and a chained (dense + expert) one.
     dict(name='c6_uneven_dp', sharding=DP, steps=2, **UNEVEN),
     dict(name='c6_uneven_dp_torch', sharding=DP, steps=2, adam='torch', load_steps=1, **UNEVEN),
@@ -170,6 +263,18 @@ ROUND_W4 = [
     ),
     dict(name='c4_gap_fr', sharding=FR, steps=2, sizes=[64, 1], dtype='bf16', bucket_size=None),
     dict(name='c6_uneven_dp_w4', sharding=DP, steps=2, **UNEVEN),
+    # 4 at the unpadded end (buffer order [64, 1 | 1], 128 elements per bucket): rank 2 holds
+    # exactly one element of the first bucket (the 1-element param) and only padding of the
+    # second, rank 3 only padding of both (it saves nothing; the load puts both back).
+    dict(
+        name='c4_one_element',
+        sharding=DP,
+        steps=2,
+        sizes=[1, 1, 64],
+        dtype='bf16',
+        bucket_size=65,
+        check_content=True,
+    ),
 ]
 
 # The fork's arm of the shipped fixes: 0022 (distopt-mixed-dtype-group-state) and 0023
@@ -182,11 +287,21 @@ C5_NAMES = (
     'c5_adamw_dp_stepped',
     'c5_adam_fr_stepped',
     'c5_adamw_fr_stepped',
+    'c5_adam_dp_never',
+    'c5_adam_fr_never',
 )
-ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES + C5_NAMES]
+# 0042: an optimizer whose state and param groups carry no 'step' (as Lion), stepped when saved:
+# its restored state stays (only a torch checkpoint with step 0 is "never stepped").
+NOSTEP = dict(name='c5_nostep_dp_stepped', sharding=DP, adam='nostep', **TORCH)
+ROUND_FORK = [case for case in ROUND_W2 if case['name'] in C3_NAMES + C5_NAMES] + [NOSTEP]
 # 0027 (distopt-dp-reshardable-gap-shard).
-C4_NAMES = ('c4_gap_dp', 'c4_gap_multi', 'c6_uneven_dp_w4')
-ROUND_W4_FORK = [case for case in ROUND_W4 if case['name'] in C4_NAMES]
+C4_NAMES = ('c4_gap_dp', 'c4_gap_multi', 'c6_uneven_dp_w4', 'c4_one_element')
+# 0027 with torch's Adam (0023: a per-param 0-d step; a rank that holds no param has no state).
+C4_TORCH = [
+    dict(ROUND_W4[0], name='c4_gap_dp_torch', adam='torch', load_steps=1),
+    dict(ROUND_W4[1], name='c4_gap_multi_torch', adam='torch'),
+]
+ROUND_W4_FORK = [case for case in ROUND_W4 if case['name'] in C4_NAMES] + C4_TORCH
 
 CALLS = {
     'fork-sched': call(2, FORK, SCHED, cases=SCHED_CASES, timeout=240),
@@ -214,7 +329,12 @@ def _lrs(groups):
 
 
 def _bounds(group):
-    return (group['lr'], group['max_lr'], group['min_lr'], group['weight_decay'])
+    return tuple(group[k] for k in ('lr', 'max_lr', 'min_lr', 'weight_decay', 'start_wd', 'end_wd'))
+
+
+def _bounds_by_name(groups, group_of):
+    """{param name: its group's bounds} (``group_of``: the run's param name -> group index)."""
+    return {name: _bounds(groups[index]) for name, index in group_of.items()}
 
 
 def _resumed_bitwise(per_rank):
@@ -223,6 +343,7 @@ def _resumed_bitwise(per_rank):
     for rank, res in enumerate(per_rank):
         where = (res['name'], rank)
         assert res['save_error'] is None and res['load_error'] is None, (where, res)
+        assert 'mismatches' in res, (where, 'another rank failed', res)
         assert res['mismatches'] == [], (where, res['mismatches'])
         assert res['next_step_equal'], (where, res['next_step_max_diff'])
         assert res.get('content_wrong', []) == [], (where, res['content_wrong'])
@@ -253,24 +374,60 @@ def test_c1_override_new_lr():
             assert [g['max_lr'] for g in res['run_b']] == [g['max_lr'] for g in a]
 
 
+# Per-module overrides changed on resume; with the flag unless the name says 'checkpoint'.
+GROUPS_CHANGED = (
+    'c1_override_new_group_lr',
+    'c1_override_new_group_wd',
+    'c1_override_dropped_group_wd',
+    'c1_group_order_swaps_checkpoint',
+    'c1_override_group_order_swaps',
+    'c1_override_fewer_groups',
+)
+
+
 def test_c1_override_new_group_lr():
-    """Per-module LR override changed on resume: only dev applies the new per-group bounds."""
-    for res in _cases('sched')['c1_override_new_group_lr']:
-        a, c = res['run_a'], res['run_c']
+    """Per-module LR or WD overrides changed on resume (also two groups that swap places, and one
+    override dropped): 0.19.2 cannot pair the changed groups (KeyError); 0.18.2 puts the last
+    saved group's bounds on every group; dev pairs as 0.18.2, then in override mode restores each
+    group's max_lr/min_lr and the start_wd/end_wd it has, so a group without its own keeps the
+    saved group's start_wd/end_wd."""
+    cases = _cases('sched')
+    for name in GROUPS_CHANGED:
+        for res in cases[name]:
+            a, b, c = res['run_a'], res.get('run_b'), res['run_c']
+            if BASE == '0.19.2':
+                assert res['load_error'].startswith('KeyError: ('), (name, res['load_error'])
+                continue
+            assert res['load_error'] is None, (name, res['load_error'])
+            if FIXED['override-scheduler'] and 'checkpoint' not in name:
+                lr_bounds = [(g['lr'], g['max_lr'], g['min_lr']) for g in b]
+                assert lr_bounds == [(g['lr'], g['max_lr'], g['min_lr']) for g in c], name
+                for key in ('start_wd', 'end_wd'):
+                    want = [a[-1][key] if g[key] is None else g[key] for g in c]
+                    assert [g[key] for g in b] == want, (name, key)
+            else:
+                # The old bounds, and every group at the last saved group's (candidate 2 as well).
+                assert [_bounds(g) for g in b] == [_bounds(a[-1])] * len(b), name
+                assert [_bounds(g) for g in b] != [_bounds(g) for g in c], name
+
+
+def test_c1_new_wd_checkpoint():
+    """A new class weight decay, the checkpoint's schedule kept: upstream steps to the saved
+    iteration before it reads the checkpoint's start_wd/end_wd, so right after the load the run
+    has the new weight decay (run C's); dev (PR 5213) reads them first."""
+    for res in _cases('sched')['c1_new_wd_checkpoint']:
+        assert res['save_error'] is None and res['load_error'] is None, res
+        a, b, c = res['run_a'], res['run_b'], res['run_c']
+        assert _lrs(b) == _lrs(a) and a[0]['weight_decay'] != c[0]['weight_decay']
         if FIXED['override-scheduler']:
-            assert res['load_error'] is None
-            assert [_bounds(g) for g in res['run_b']] == [_bounds(g) for g in c]
-        elif BASE == '0.19.2':
-            assert res['load_error'].startswith('KeyError: ('), res['load_error']
+            assert [_bounds(g) for g in b] == [_bounds(g) for g in a]
         else:
-            # The old bounds, and both groups at the last saved group's (candidate 2 as well).
-            assert res['load_error'] is None
-            assert [_bounds(g) for g in res['run_b']] == [_bounds(a[-1])] * len(a)
-            assert _lrs(res['run_b']) != _lrs(c)
+            assert [g['weight_decay'] for g in b] == [g['weight_decay'] for g in c]
 
 
 # ------------------------------------------------------------------------------------------
-# 2: groups that differ only in max_lr/min_lr or start_wd/end_wd, resumed with the same args.
+# 2: groups that differ only in max_lr/min_lr, min_lr, start_wd/end_wd or start_wd, resumed
+# with the same args.
 
 
 def test_c2_group_collision():
@@ -278,7 +435,8 @@ def test_c2_group_collision():
     is_decoupled_lr): the last saved group's LR/WD bounds land on every group. 0.19.2 resumes
     each group at the LR and WD of the run that never stopped."""
     cases = _cases('sched')
-    for name in ('c2_group_lr', 'c2_group_lr_fr', 'c2_group_wd'):
+    names = ('c2_group_lr', 'c2_group_lr_fr', 'c2_group_wd', 'c2_group_min_lr', 'c2_group_start_wd')
+    for name in names:
         for res in cases[name]:
             assert res['save_error'] is None and res['load_error'] is None, res
             a, b = res['run_a'], res['run_b']
@@ -295,16 +453,27 @@ def test_c1_c2_fork_resumes_each_group():
     group has the LR and bounds of run C (built with the new arguments, never stopped); resumed
     with the same arguments, each group keeps its own bounds, those of the run that never
     stopped; resumed with new per-group LRs but the checkpoint's schedule, each group keeps its
-    own saved bounds. The counterfactual of the pristine tests of 1 and 2 above."""
+    own saved bounds (per param: the group order may change). Groups whose old identifier cannot
+    tell which saved group was theirs (two changed overrides, fewer groups than saved) are
+    refused. The counterfactual of the pristine tests of 1 and 2 above."""
     cases = _cases('fork-sched')
     assert sorted(cases) == sorted(case['name'] for case in SCHED_CASES)
     override = {case['name'] for case in SCHED_CASES if case.get('override_flag')}
     for name, per_rank in cases.items():
         for res in per_rank:
-            assert res['save_error'] is None and res['load_error'] is None, (name, res)
-            expected = res['run_c'] if name in override else res['run_a']
+            assert res['save_error'] is None, (name, res)
+            if name in SCHED_REFUSED:
+                error = res['load_error'] or ''
+                assert error.startswith('KeyError: ('), (name, error, res.get('run_b'))
+                continue
+            assert res['load_error'] is None, (name, res)
+            run, group_of = ('run_c', 'group_of_b') if name in override else ('run_a', 'group_of_a')
+            expected = res[run]
             assert len({_bounds(g) for g in expected}) == len(expected), (name, expected)
             assert [_bounds(g) for g in res['run_b']] == [_bounds(g) for g in expected], name
+            assert _bounds_by_name(res['run_b'], res['group_of_b']) == _bounds_by_name(
+                expected, res[group_of]
+            ), name
 
 
 # ------------------------------------------------------------------------------------------
@@ -369,7 +538,7 @@ def test_c3_fork_resumes_mixed_groups_bitwise():
     (every state tensor and the next step) on every base: the counterfactual of the pristine
     failures above."""
     cases = _cases('fork-w2')
-    assert sorted(cases) == sorted(C3_NAMES + C5_NAMES)
+    assert sorted(cases) == sorted(C3_NAMES + C5_NAMES + (NOSTEP['name'],))
     for name in C3_NAMES:
         _resumed_bitwise(cases[name])
     for name in ('c3_mixed_dp', 'c3_same_size_fr'):
@@ -402,6 +571,13 @@ def test_c4_alignment_gap():
     # Rank 1 fails on the gap bucket (pristine 0.18.2/0.19.2/dev lack 0015 too, so the ranks
     # whose part of the last bucket is only bucket-end padding fail the same way).
     assert multi[1]['save_error'] == errors[1]
+    # A rank with exactly one unpadded element of a bucket fails the same way on its padding-only
+    # part of the next bucket (as do the ranks whose part of it is only padding).
+    one = cases['c4_one_element']
+    assert one[0]['geometry'] == [[[128, 65], [128, 1]]]
+    assert [res['local_params'] for res in one] == [[[[1, 1]]], [[[1, 0]]], [[[1, 0]]], [[[0, 0]]]]
+    assert [res['save_error'] for res in one] == [None] + [errors[1]] * 3
+    assert all(res['files'] == [] for res in one)
 
 
 def test_c4_fork_saves_gap_shards():
@@ -409,13 +585,24 @@ def test_c4_fork_saves_gap_shards():
     padding entry for it: the save and the resume succeed, every state tensor and the next step
     equal the run that never stopped, and the checkpoint holds each param's own main param; also
     with a bucket past which the same rank holds only bucket-end padding, and for the geometry of
-    6 (no gap shard). The counterfactual of test_c4_alignment_gap."""
+    6 (no gap shard); also a rank that holds exactly one unpadded element of a bucket and only
+    padding of the next, and torch's Adam (a per-param step; no state on a rank without params).
+    The counterfactual of test_c4_alignment_gap."""
     cases = _cases('fork-w4')
-    assert sorted(cases) == sorted(C4_NAMES)
-    for name in C4_NAMES:
+    torch_names = tuple(case['name'] for case in C4_TORCH)
+    assert sorted(cases) == sorted(C4_NAMES + torch_names)
+    for name in C4_NAMES + torch_names:
         _resumed_bitwise(cases[name])
-    for name in ('c4_gap_dp', 'c4_gap_multi'):
+    for name in ('c4_gap_dp', 'c4_gap_multi', 'c4_one_element') + torch_names:
         assert [res['content_wrong'] for res in cases[name]] == [[]] * 4, name
+    one = cases['c4_one_element']
+    assert one[0]['geometry'] == [[[128, 65], [128, 1]]]
+    assert [res['local_params'] for res in one] == [[[[1, 1]]], [[[1, 0]]], [[[1, 0]]], [[[0, 0]]]]
+    for case in C4_TORCH:
+        for res in cases[case['name']]:
+            n = len(res['step_b_next']['steps'])
+            assert res['step_b_next']['steps'] == [case['steps'] + 1] * n, res['step_b_next']
+    assert [len(res['step_b']['steps']) for res in cases['c4_gap_dp_torch']][1] == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -439,6 +626,14 @@ def test_c5_torch_adam_fresh_load():
                 'sharded_state_dict',
                 'AssertionError',
             )
+
+
+def test_c5_torch_adam_never_stepped_save():
+    """An optimizer that has not stepped cannot be saved (the same bare assertion)."""
+    cases = _cases('w2')
+    for name in ('c5_adam_dp_never', 'c5_adam_fr_never'):
+        assert [res['save_error'] for res in cases[name]] == ['AssertionError'] * 2, name
+        assert all(res['files'] == [] for res in cases[name]), name
 
 
 def test_c5_torch_adam_dp_reshardable_step():
@@ -465,16 +660,28 @@ def test_c5_fork_resumes_torch_adam_bitwise():
     """With 0023, torch Adam and AdamW resume from dp_reshardable and fully_reshardable, into a
     fresh optimizer (a restart) and into one that has stepped: every state tensor, the step
     included, equals the saved one, the next step equals the run that never stopped, and each
-    param's step then advances by one. The counterfactual of the pristine tests of 5."""
+    param's step then advances by one. With 0042 also from a checkpoint saved before the first
+    step, after which the saving process itself trains on (its next step is its first). The
+    counterfactual of the pristine tests of 5."""
     cases = _cases('fork-w2')
     for case in ROUND_W2:
         if case['name'] not in C5_NAMES:
             continue
         for res in cases[case['name']]:
             _resumed_bitwise([res])
-            n = len(res['step_a_next']['steps'])
-            assert res['step_b_next']['steps'] == [case['steps'] + 1] * n, res['step_b_next']
+            n = len(res['step_b_next']['steps'])
+            assert n > 0 and res['step_b_next']['steps'] == [case['steps'] + 1] * n, res
+            assert res['step_a_next']['steps'] == [case['steps'] + 1] * n, res['step_a_next']
             assert not res['step_b']['shared_step_tensor'], res['step_b']
+
+
+def test_c5_fork_resumes_without_step_bitwise():
+    """With 0042 an optimizer without a step count (as Lion; apex/TE layout) resumes bitwise
+    from dp_reshardable: its groups carry no 'step', which is not a checkpoint saved before the
+    first step, so the restored state stays."""
+    for res in _cases('fork-w2')[NOSTEP['name']]:
+        _resumed_bitwise([res])
+        assert set(res['step_b']['steps']) == {None}, res['step_b']
 
 
 def test_c5_torch_adam_fully_reshardable_load():

@@ -174,7 +174,11 @@ def _states(optimizer):
                         )
                         for key in sorted(tensors):
                             value = tensors[key]
-                            if not isinstance(value, torch.Tensor):
+                            if value is None:
+                                # No step anywhere (never stepped, or an optimizer that keeps
+                                # none): no step taken, as a torch group's step 0 says.
+                                value = torch.tensor(0)
+                            elif not isinstance(value, torch.Tensor):
                                 value = torch.tensor(value)
                             out.append((f'opt{o_idx}.bucket{b_idx}.param{p_idx}.{key}', value))
     return out

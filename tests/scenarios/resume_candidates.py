@@ -20,8 +20,9 @@ Two kinds of calls, both on CPU ranks (gloo), any tree:
   stopped) and B take one more step on the same gradients and their model params are compared.
 
 Adam is either the apex/TE FusedAdam layout (``adam='fused'``, step count in the param group, as
-on GPUs; see ``distopt_checkpoint.FusedAdamLike``) or torch's own ``Adam``/``AdamW``
-(``adam='torch'``/``'torch_w'``: what megatron uses without apex/TE, step per param).
+on GPUs; see ``distopt_checkpoint.FusedAdamLike``; ``'nostep'``: the same layout without any
+step count, as Lion has), or torch's own ``Adam``/``AdamW`` (``adam='torch'``/``'torch_w'``:
+what megatron uses without apex/TE, step per param).
 
 A case never raises: errors of each stage are returned per rank, so one world runs many cases.
 """
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from tests.scenarios.common import init_parallel, make_config
 from tests.scenarios.distopt_checkpoint import (
     CHECKPOINT_ERRORS,
+    FusedAdamLike,
     _distopts,
     _error,
     _geometry,
@@ -86,12 +88,30 @@ def _module(config, case, seed):
     return Params()
 
 
+class NoStepAdam(FusedAdamLike):
+    """The FusedAdam layout without a step count anywhere (as Lion and other optimizers that
+    keep none): every step bias-corrects as a first one, and the param groups carry no 'step'."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            del group['step']
+
+
 @contextlib.contextmanager
 def _adam(kind):
-    """The optimizer class get_megatron_optimizer picks: the FusedAdam layout or torch's own."""
-    if kind == 'fused':
+    """The optimizer class get_megatron_optimizer picks: the FusedAdam layout (``'nostep'``:
+    one without a step count) or torch's own."""
+    if kind in ('fused', 'nostep'):
+        from megatron.core import optimizer as optimizer_module
+
         with fused_adam():
-            yield
+            optimizer_module.Adam = NoStepAdam if kind == 'nostep' else FusedAdamLike
+            try:
+                yield
+            finally:
+                optimizer_module.Adam = FusedAdamLike
     else:
         yield
 
@@ -215,7 +235,8 @@ def _cases(ctx, cases, one):
 # Candidates 1 and 2: the optimizer param scheduler and per-group LRs on resume
 
 
-def _scheduler(optimizer, max_lr, override):
+def _scheduler(optimizer, max_lr, override, schedule):
+    """``schedule``: the case's changes to ``SCHEDULE`` (the class weight-decay schedule)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
@@ -225,22 +246,37 @@ def _scheduler(optimizer, max_lr, override):
         min_lr=max_lr / 10,
         use_checkpoint_opt_param_scheduler=not override,
         override_opt_param_scheduler=override,
-        **SCHEDULE,
+        **{**SCHEDULE, **schedule},
     )
 
 
 def _groups(optimizer):
-    """Per param group (over the chained optimizers): lr, max_lr, min_lr, weight_decay, #params."""
+    """Per param group (over the chained optimizers): lr, max_lr, min_lr, weight_decay, the
+    per-group start_wd/end_wd (None: the scheduler's), #params."""
     return [
         {
             'lr': float(g['lr']),
             'max_lr': g.get('max_lr'),
             'min_lr': g.get('min_lr'),
             'weight_decay': g.get('weight_decay'),
+            'start_wd': g.get('start_wd'),
+            'end_wd': g.get('end_wd'),
             'params': len(g['params']),
         }
         for g in optimizer.param_groups
     ]
+
+
+def _group_of(module, optimizer):
+    """{param name: index of its group in ``optimizer.param_groups``} for the params this rank
+    holds a piece of (the group order follows the override values, so it may differ by run)."""
+    names = {param: name for name, param in module.named_parameters()}
+    out, offset = {}, 0
+    for distopt in _distopts(optimizer):
+        for param, (group, _) in distopt.model_param_group_index_map.items():
+            out[names[param]] = offset + group
+        offset += len(distopt.optimizer.param_groups)
+    return out
 
 
 def _scheduler_case(ctx, case, root):
@@ -251,15 +287,18 @@ def _scheduler_case(ctx, case, root):
     lr_a = case.get('lr', 1e-2)
     lr_b = case.get('resume_lr') or lr_a
     override = case.get('override_flag', False)
+    schedule = case.get('schedule', {})
+    schedule_b = {**schedule, **case.get('resume_schedule', {})}
     result = {'name': case['name']}
 
     # Run A: train, then save optimizer + scheduler as load_checkpoint expects them.
     module_a, ddp_a, opt_a = _build(case, seed=11, lr=lr_a, overrides=case.get('overrides'))
-    sched_a = _scheduler(opt_a, lr_a, override=False)
+    sched_a = _scheduler(opt_a, lr_a, override=False, schedule=schedule)
     for step in range(case['steps']):
         _step(module_a, ddp_a, opt_a, step)
         sched_a.step(increment=1)
     result['run_a'] = _groups(opt_a)
+    result['group_of_a'] = _group_of(module_a, opt_a)
     ckpt = os.path.join(root, case['name'])
     if ctx.rank == 0:
         os.makedirs(ckpt)
@@ -274,14 +313,15 @@ def _scheduler_case(ctx, case, root):
 
     # Run C: the new arguments from the start, stepped to the same step without a checkpoint.
     module_c, _, opt_c = _build(case, seed=23, lr=lr_b, overrides=case.get('resume_overrides'))
-    sched_c = _scheduler(opt_c, lr_b, override=override)
+    sched_c = _scheduler(opt_c, lr_b, override=override, schedule=schedule_b)
     sched_c.step(increment=case['steps'])
     result['run_c'] = _groups(opt_c)
 
     # Run B: a fresh optimizer and scheduler with the resume arguments load the checkpoint.
     module_b, _, opt_b = _build(case, seed=23, lr=lr_b, overrides=case.get('resume_overrides'))
-    sched_b = _scheduler(opt_b, lr_b, override=override)
+    sched_b = _scheduler(opt_b, lr_b, override=override, schedule=schedule_b)
     result['run_b_built'] = _groups(opt_b)
+    result['group_of_b'] = _group_of(module_b, opt_b)
     state = {
         'optimizer': opt_b.sharded_state_dict(
             _model_state(module_b, dp_rank), is_loading=True, metadata=metadata

@@ -61,6 +61,17 @@ class TestFilterAndReorder:
         )
         assert [group['params'] for group in final] == [[0], [1]]
 
+    def test_changed_overrides_that_may_swap_are_refused(self):
+        """Overridden groups are built in the order of their override values: two of them that
+        changed (built as 4e-3 before 6e-3, saved as 2e-2 before 3e-2; which was which?) are
+        not paired by position."""
+        saved = [_group(1e-2, default_config=True)]
+        saved += [_group(lr, default_config=False) for lr in (2e-2, 3e-2)]
+        current = [_group(1e-2, default_config=True)]
+        current += [_group(lr, default_config=False) for lr in (4e-3, 6e-3)]
+        with pytest.raises(ValueError, match='Could not find parameter group'):
+            self._pair(current, saved)
+
     def test_ambiguous_pairing_still_fails(self):
         saved = [_group(1e-2), _group(2e-2), _group(3e-2)]
         with pytest.raises(ValueError, match='Could not find parameter group'):
