@@ -21,6 +21,7 @@ from tests.harness import call, tiers
 from tests.harness.bases import BASE, FORK, PRISTINE
 from tests.harness.bases import change_state as _state
 from tests.harness.bases import tree_has_fix as _fixed
+from tests.scenarios.moe_candidates import METRICS_PP_RECORDS
 
 MOD = 'tests.scenarios.moe_candidates:'
 TREES = (FORK, PRISTINE)
@@ -83,9 +84,26 @@ for _tree in TREES:
             egtp=_egtp,
             per_token=False,
         )
+        # average_in_collective on (0037 corrects the other branch only).
+        CALLS[_tree, 'gtp-avg', _gtp, _egtp] = call(
+            2,
+            _tree,
+            'tests.scenarios.expert_gtp_grads:scenario_expert_gtp_sync',
+            tp=1,
+            etp=1,
+            gtp=_gtp,
+            egtp=_egtp,
+            per_token=False,
+            average_in_collective=True,
+        )
     # The failing report last: its PP group stays broken for the rest of the world.
     CALLS[_tree, 'pp-force'] = call(2, _tree, MOD + 'scenario_metrics_pp', force_initialize=True)
     CALLS[_tree, 'pp'] = call(2, _tree, MOD + 'scenario_metrics_pp')
+    # PP 4, MoE layers on stages 2 and 3 only (world 4: it shares the suite's world of 4 ranks).
+    CALLS[_tree, 'pp4-force'] = call(
+        4, _tree, MOD + 'scenario_metrics_pp', force_initialize=True, layout='pp4-late'
+    )
+    CALLS[_tree, 'pp4'] = call(4, _tree, MOD + 'scenario_metrics_pp', layout='pp4-late')
 
 
 def _result(tree, key, rank=0):
@@ -224,9 +242,21 @@ def test_expert_bias_counts(tree):
 
 
 # ------------------------------------------------------------------------------------------
-# 5: the metrics tracker's report on PP = 2 where stage 1 has no MoE layer.
+# 5: the metrics tracker's report on PP = 2 where stage 1 has no MoE layer, and on PP = 4 where
+# only the last two stages have MoE layers.
 
 PP_TIMEOUT = 'Timed out waiting 5000ms for recv operation to complete'
+
+
+def _metrics_want(layout):
+    """What report() logs per name: the recorded values summed over the stages' layers, over
+    the layers (loss scale 1, DP 1). The values are binary fractions: float32 sums them exactly."""
+    num_layers, records = METRICS_PP_RECORDS[layout]
+    want = {}
+    for recs in records:
+        for name, _layer, value in recs:
+            want[name] = want.get(name, 0.0) + value
+    return {name: value / num_layers for name, value in want.items()}
 
 
 @pytest.mark.parametrize('tree', TREES)
@@ -234,15 +264,53 @@ def test_metrics_pp(tree):
     forced = [_result(tree, 'pp-force', r) for r in (0, 1)]
     assert [r['report_error'] for r in forced] == [None, None], forced
     assert forced[0]['log'] == forced[1]['log'] != '', forced
+    assert [r['scalars'] for r in forced] == [_metrics_want('pp2')] * 2, forced
     plain = [_result(tree, 'pp', r) for r in (0, 1)]
     if _fixed(tree, METRICS_PP):
         assert [r['report_error'] for r in plain] == [None, None], plain
         assert [r['log'] for r in plain] == [forced[0]['log']] * 2, plain
+        assert [r['scalars'] for r in plain] == [_metrics_want('pp2')] * 2, plain
     else:
         # Stage 0 all-reduces its entry over PP, stage 1 has none and skips it: stage 0 waits.
         error = plain[0]['report_error']
         assert error.startswith('RuntimeError: ') and PP_TIMEOUT in error, plain
-        assert plain[1] == {'stage': 1, 'report_error': None, 'log': ''}, plain
+        assert plain[1] == {'stage': 1, 'report_error': None, 'log': '', 'scalars': {}}, plain
+
+
+@pytest.mark.parametrize('tree', TREES)
+def test_metrics_pp_late_stages(tree):
+    """PP 4 where only stages 2 and 3 hold MoE layers: stage 2 records z_loss then
+    load_balancing_loss, stage 3 load_balancing_loss only (METRICS_PP_RECORDS['pp4-late']). Every
+    stage logs what force_initialize logs, and each name's value is its own sum: 0036 orders the
+    agreed names alike on every stage (not by a stage's own first: that order pairs stage 3's
+    load_balancing_loss with the others' z_loss in the PP all-reduce) and takes them from every
+    stage (not the last one's only: z_loss would be lost). Pristine: the two MoE stages wait in
+    the PP all-reduce that stages 0 and 1 never enter."""
+    want = _metrics_want('pp4-late')
+    assert sorted(want) == ['load_balancing_loss', 'z_loss'], want
+    forced = [_result(tree, 'pp4-force', r) for r in range(4)]
+    assert [r['stage'] for r in forced] == [0, 1, 2, 3], forced
+    assert [r['report_error'] for r in forced] == [None] * 4, forced
+    assert [r['scalars'] for r in forced] == [want] * 4, forced
+    assert len({r['log'] for r in forced}) == 1 and forced[0]['log'] != '', forced
+    plain = [_result(tree, 'pp4', r) for r in range(4)]
+    if _fixed(tree, METRICS_PP):
+        assert [r['report_error'] for r in plain] == [None] * 4, plain
+        assert [r['scalars'] for r in plain] == [want] * 4, plain
+        # The same segments as the forced log (in the agreed order: the first recording stage's).
+        segments = sorted(forced[0]['log'].split('|'))
+        assert [sorted(r['log'].split('|')) for r in plain] == [segments] * 4, plain
+    else:
+        for stage in (0, 1):
+            assert plain[stage] == {
+                'stage': stage,
+                'report_error': None,
+                'log': '',
+                'scalars': {},
+            }, plain
+        for stage in (2, 3):
+            error = plain[stage]['report_error']
+            assert error.startswith('RuntimeError: ') and PP_TIMEOUT in error, plain
 
 
 # ------------------------------------------------------------------------------------------
@@ -308,6 +376,18 @@ def test_mtp_microbatch_counts(tree):
 # 7: expert grads under the mean loss when expert GTP != GTP (0.19.2).
 
 
+def _gtp_ratios(res):
+    """{param: grad after the sync / the mean over the data shards} of one rank's result."""
+    ratios = {}
+    for name, got in res['grad_after_sync'].items():
+        want = res['correct_grad_after_sync'][name] / res['data_shards']
+        if res['gtp_sharded'][name]:
+            want *= res['config_egtp']
+        assert len(got) == 1, (name, got)
+        ratios[name] = got[0] / want
+    return ratios
+
+
 @tiers.skipif(not HAS_GTP, 'no-gtp', f'base {BASE} has no generalized TP')
 @pytest.mark.parametrize('tree', TREES)
 def test_expert_gtp_mean_loss(tree):
@@ -320,12 +400,8 @@ def test_expert_gtp_mean_loss(tree):
     for gtp, egtp in GTP_LAYOUTS:
         for rank in (0, 1):
             res = _result(tree, ('gtp', gtp, egtp), rank)
-            for name, got in res['grad_after_sync'].items():
-                want = res['correct_grad_after_sync'][name] / res['data_shards']
-                if res['gtp_sharded'][name]:
-                    want *= res['config_egtp']
-                assert len(got) == 1, (gtp, egtp, name, got)
-                ratios[gtp, egtp, rank, name] = got[0] / want
+            for name, ratio in _gtp_ratios(res).items():
+                ratios[gtp, egtp, rank, name] = ratio
     if _fixed(tree, EXPERT_GTP_MEAN):
         assert set(ratios.values()) == {1.0}, ratios
         return
@@ -340,3 +416,33 @@ def test_expert_gtp_mean_loss(tree):
         (1, 2, 1, 'fc1.weight'): 0.75,
         (1, 2, 1, 'fc2.weight'): 0.75,
     }, wrong
+
+
+GTP_AVG_REFUSED = (
+    'AssertionError: GTP requires average_in_collective=False (the default); averaged collectives'
+    ' reduce over the GTP-excluded group and would miss the 1/gtp_remat gradient scaling factor.'
+)
+
+
+@tiers.skipif(not HAS_GTP, 'no-gtp', f'base {BASE} has no generalized TP')
+@pytest.mark.parametrize('tree', TREES)
+def test_expert_gtp_average_in_collective(tree):
+    """0037 corrects the expert pre-scale of the average_in_collective=False branch only. That
+    is its whole scope because upstream's DDP refuses average_in_collective wherever GTP or
+    expert GTP is above 1 (EGTP != GTP implies one of them is): with it on, (1, 1) gives the mean
+    over the data shards, the same grads as with it off, and every other layout is refused at
+    construction. Upstream's own guard and branch: pristine does the same (this case guards
+    0037's scope, not a bug of pristine)."""
+    for gtp, egtp in GTP_LAYOUTS:
+        per_rank = CALLS[tree, 'gtp-avg', gtp, egtp].result()
+        if (gtp, egtp) != (1, 1):
+            assert [r.get('error') for r in per_rank] == [GTP_AVG_REFUSED] * 2, (gtp, egtp)
+            continue
+        for rank in (0, 1):
+            res = _result(tree, ('gtp-avg', 1, 1), rank)
+            off = _result(tree, ('gtp', 1, 1), rank)
+            assert set(_gtp_ratios(res).values()) == {1.0}, (rank, res)
+            assert res['grad_after_sync'] == off['grad_after_sync'], (rank, res, off)
+            assert res['data_shards'] == 2 and res['correct_grad_after_sync'] == {
+                name: 3.0 for name in res['grad_after_sync']
+            }, res
