@@ -64,6 +64,14 @@ BIAS_CASES = [
 HAS_GTP = _state('expert-gtp-grad-sync') is not None
 GTP_LAYOUTS = [(1, 2), (2, 1), (2, 2), (1, 1)]
 EXPERT_GTP_MEAN = 'expert-gtp-mean-loss-scaling'  # 0037 (0.19.2)
+# (average_in_collective, (TP, ETP, GTP, EGTP)): on where upstream refuses it (GTP or EGTP > 1)
+# and where it runs, one layout with dense params (TP = ETP) and one with expert buffers
+# (ETP != TP), each also off (the reference of the same run).
+GTP_AVG_REFUSED_LAYOUTS = [(1, 1, 1, 2), (1, 1, 2, 1), (1, 1, 2, 2)]
+GTP_AVG_RUN_LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1)]
+GTP_AVG_CASES = [(True, lay) for lay in GTP_AVG_REFUSED_LAYOUTS + GTP_AVG_RUN_LAYOUTS] + [
+    (False, lay) for lay in GTP_AVG_RUN_LAYOUTS
+]
 
 CALLS = {}
 for _tree in TREES:
@@ -84,17 +92,19 @@ for _tree in TREES:
             egtp=_egtp,
             per_token=False,
         )
-        # average_in_collective on (0037 corrects the other branch only).
-        CALLS[_tree, 'gtp-avg', _gtp, _egtp] = call(
+    # average_in_collective on (0037 corrects the other branch only), and TP 2 / ETP 1 off.
+    for _avg, (_tp, _etp, _gtp, _egtp) in GTP_AVG_CASES if HAS_GTP else ():
+        CALLS[_tree, 'gtp-avg', _avg, _tp, _etp, _gtp, _egtp] = call(
             2,
             _tree,
             'tests.scenarios.expert_gtp_grads:scenario_expert_gtp_sync',
-            tp=1,
-            etp=1,
+            reuse=True,
+            tp=_tp,
+            etp=_etp,
             gtp=_gtp,
             egtp=_egtp,
             per_token=False,
-            average_in_collective=True,
+            **({'average_in_collective': True} if _avg else {}),
         )
     # The failing report last: its PP group stays broken for the rest of the world.
     CALLS[_tree, 'pp-force'] = call(2, _tree, MOD + 'scenario_metrics_pp', force_initialize=True)
@@ -429,20 +439,21 @@ GTP_AVG_REFUSED = (
 def test_expert_gtp_average_in_collective(tree):
     """0037 corrects the expert pre-scale of the average_in_collective=False branch only. That
     is its whole scope because upstream's DDP refuses average_in_collective wherever GTP or
-    expert GTP is above 1 (EGTP != GTP implies one of them is): with it on, (1, 1) gives the mean
-    over the data shards, the same grads as with it off, and every other layout is refused at
-    construction. Upstream's own guard and branch: pristine does the same (this case guards
-    0037's scope, not a bug of pristine)."""
-    for gtp, egtp in GTP_LAYOUTS:
-        per_rank = CALLS[tree, 'gtp-avg', gtp, egtp].result()
-        if (gtp, egtp) != (1, 1):
-            assert [r.get('error') for r in per_rank] == [GTP_AVG_REFUSED] * 2, (gtp, egtp)
-            continue
+    expert GTP is above 1 (EGTP != GTP implies one of them is): with it on, GTP = EGTP = 1 gives
+    the mean over the data shards, the same grads as with it off (TP = ETP = 1: dense buffers;
+    TP 2 / ETP 1: expert buffers and their pre-scale edp / dp), and every layout with GTP or
+    EGTP = 2 is refused at construction. Upstream's own guard and branch: pristine does the same
+    (this case guards 0037's scope, not a bug of pristine)."""
+    for layout in GTP_AVG_REFUSED_LAYOUTS:
+        per_rank = CALLS[(tree, 'gtp-avg', True, *layout)].result()
+        assert [r.get('error') for r in per_rank] == [GTP_AVG_REFUSED] * 2, (layout, per_rank)
+    for layout in GTP_AVG_RUN_LAYOUTS:
         for rank in (0, 1):
-            res = _result(tree, ('gtp-avg', 1, 1), rank)
-            off = _result(tree, ('gtp', 1, 1), rank)
-            assert set(_gtp_ratios(res).values()) == {1.0}, (rank, res)
-            assert res['grad_after_sync'] == off['grad_after_sync'], (rank, res, off)
-            assert res['data_shards'] == 2 and res['correct_grad_after_sync'] == {
-                name: 3.0 for name in res['grad_after_sync']
-            }, res
+            on = _result(tree, ('gtp-avg', True, *layout), rank)
+            off = _result(tree, ('gtp-avg', False, *layout), rank)
+            # (1, 1, 1, 1): dense buffers; TP 2 / ETP 1: expert buffers (the expert pre-scale).
+            want_buffer = 'expert' if layout[0] != layout[1] else 'dense'
+            assert set(on['buffer'].values()) == {want_buffer}, (layout, on)
+            assert set(_gtp_ratios(on).values()) == {1.0}, (layout, rank, on)
+            assert on['grad_after_sync'] == off['grad_after_sync'], (layout, rank, on, off)
+            assert set(on['correct_grad_after_sync'].values()) == {3.0}, on  # 2 ** 0 + 2 ** 1
