@@ -24,6 +24,9 @@ size (the load-balanced split by get_batch_on_this_cp_rank, RoPE's CP slice, the
 TP x CP reductions, MTP's roll across CP ranks, DDP over DP x CP, finalize_model_grads, the
 schedule). Under the mean loss the oracle is the mean of the CP ranks' own masked means
 (``objective_weights``).
+
+Virtual pipeline (tp2pp2vpp2): 4 layers, 2 model chunks of one layer per stage, the interleaved
+schedule, one data iterator per chunk; the oracle is the same 4-layer model in one process.
 """
 
 import pytest
@@ -172,7 +175,8 @@ BIAS_PAD_BROKEN = not _fixed(PRISTINE, BIAS_PAD)
 # TP x PP with a padding mask: without 0048 GPTModel scatters the padding mask to the
 # sequence-parallel chunks only on the first stage; later stages route their chunk with the
 # whole mask and raise (`The size of tensor a (8) must match the size of tensor b (16) at
-# non-singleton dimension 0`) while their peers wait: run only where the tree has 0048.
+# non-singleton dimension 0`) while their peers wait: run only where the tree has 0048 (with
+# virtual pipeline chunks too: there a chunk can be neither the first stage nor the last).
 TP_PP_MASK = 'gpt-padding-mask-sequence-parallel-every-stage'  # 0048 (found by this oracle)
 
 
