@@ -751,7 +751,9 @@ def _parallel_step(case):
     config = model_config(case, torch.float32, reference=False)
     vpp = case['layout'].get('vpp')
     # One model chunk per virtual stage under virtual pipeline parallelism (else one).
-    modules = [build_model(config, case, i) for i in range(vpp)] if vpp else [build_model(config, case)]
+    modules = (
+        [build_model(config, case, i) for i in range(vpp)] if vpp else [build_model(config, case)]
+    )
     chunks = []
     for i, module in enumerate(modules):
         set_weights(module)
