@@ -25,6 +25,7 @@ from tests.harness import call, tiers
 from tests.harness.bases import BASE, FORK, PRISTINE
 from tests.harness.bases import change_state as _state
 from tests.harness.bases import tree_has_fix as _fixed
+from tests.scenarios.moe_candidates import METRICS_PP_RECORDS
 
 MOD = 'tests.scenarios.moe_candidates:'
 TREES = (FORK, PRISTINE)
@@ -73,6 +74,14 @@ BIAS_CASES = [
 HAS_GTP = _state('expert-gtp-grad-sync') is not None
 GTP_LAYOUTS = [(1, 2), (2, 1), (2, 2), (1, 1)]
 EXPERT_GTP_MEAN = 'expert-gtp-mean-loss-scaling'  # 0037 (0.19.2)
+# (average_in_collective, (TP, ETP, GTP, EGTP)): on where upstream refuses it (GTP or EGTP > 1)
+# and where it runs, one layout with dense params (TP = ETP) and one with expert buffers
+# (ETP != TP), each also off (the reference of the same run).
+GTP_AVG_REFUSED_LAYOUTS = [(1, 1, 1, 2), (1, 1, 2, 1), (1, 1, 2, 2)]
+GTP_AVG_RUN_LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1)]
+GTP_AVG_CASES = [(True, lay) for lay in GTP_AVG_REFUSED_LAYOUTS + GTP_AVG_RUN_LAYOUTS] + [
+    (False, lay) for lay in GTP_AVG_RUN_LAYOUTS
+]
 
 CALLS = {}
 for _tree in TREES:
@@ -95,9 +104,35 @@ for _tree in TREES:
             egtp=_egtp,
             per_token=False,
         )
+    # average_in_collective on (0037 corrects the other branch only), and TP 2 / ETP 1 off.
+    for _avg, (_tp, _etp, _gtp, _egtp) in GTP_AVG_CASES if HAS_GTP else ():
+        CALLS[_tree, 'gtp-avg', _avg, _tp, _etp, _gtp, _egtp] = call(
+            2,
+            _tree,
+            'tests.scenarios.expert_gtp_grads:scenario_expert_gtp_sync',
+            reuse=True,
+            tp=_tp,
+            etp=_etp,
+            gtp=_gtp,
+            egtp=_egtp,
+            per_token=False,
+            **({'average_in_collective': True} if _avg else {}),
+        )
     # The failing report last: its PP group stays broken for the rest of the world.
     CALLS[_tree, 'pp-force'] = call(2, _tree, MOD + 'scenario_metrics_pp', force_initialize=True)
     CALLS[_tree, 'pp'] = call(2, _tree, MOD + 'scenario_metrics_pp')
+    # PP 4, MoE layers on stages 2 and 3 only (world 4: it shares the suite's world of 4 ranks).
+    # Pristine's report waits out the PP group's timeout: 1 s there (the suite's time).
+    CALLS[_tree, 'pp4-force'] = call(
+        4, _tree, MOD + 'scenario_metrics_pp', force_initialize=True, layout='pp4-late'
+    )
+    CALLS[_tree, 'pp4'] = call(
+        4,
+        _tree,
+        MOD + 'scenario_metrics_pp',
+        layout='pp4-late',
+        **({'timeout_s': 1} if _tree == PRISTINE else {}),
+    )
 
 
 def _result(tree, key, rank=0):
@@ -268,9 +303,22 @@ def test_expert_bias_counts(tree):
 
 
 # ------------------------------------------------------------------------------------------
-# 5: the metrics tracker's report on PP = 2 where stage 1 has no MoE layer.
+# 5: the metrics tracker's report on PP = 2 where stage 1 has no MoE layer, and on PP = 4 where
+# only the last two stages have MoE layers.
 
 PP_TIMEOUT = 'Timed out waiting 5000ms for recv operation to complete'
+PP4_TIMEOUT = 'Timed out waiting 1000ms for recv operation to complete'  # pristine's 'pp4'
+
+
+def _metrics_want(layout):
+    """What report() logs per name: the recorded values summed over the stages' layers, over
+    the layers (loss scale 1, DP 1). The values are binary fractions: float32 sums them exactly."""
+    num_layers, records = METRICS_PP_RECORDS[layout]
+    want = {}
+    for recs in records:
+        for name, _layer, value in recs:
+            want[name] = want.get(name, 0.0) + value
+    return {name: value / num_layers for name, value in want.items()}
 
 
 @pytest.mark.parametrize('tree', TREES)
@@ -278,15 +326,53 @@ def test_metrics_pp(tree):
     forced = [_result(tree, 'pp-force', r) for r in (0, 1)]
     assert [r['report_error'] for r in forced] == [None, None], forced
     assert forced[0]['log'] == forced[1]['log'] != '', forced
+    assert [r['scalars'] for r in forced] == [_metrics_want('pp2')] * 2, forced
     plain = [_result(tree, 'pp', r) for r in (0, 1)]
     if _fixed(tree, METRICS_PP):
         assert [r['report_error'] for r in plain] == [None, None], plain
         assert [r['log'] for r in plain] == [forced[0]['log']] * 2, plain
+        assert [r['scalars'] for r in plain] == [_metrics_want('pp2')] * 2, plain
     else:
         # Stage 0 all-reduces its entry over PP, stage 1 has none and skips it: stage 0 waits.
         error = plain[0]['report_error']
         assert error.startswith('RuntimeError: ') and PP_TIMEOUT in error, plain
-        assert plain[1] == {'stage': 1, 'report_error': None, 'log': ''}, plain
+        assert plain[1] == {'stage': 1, 'report_error': None, 'log': '', 'scalars': {}}, plain
+
+
+@pytest.mark.parametrize('tree', TREES)
+def test_metrics_pp_late_stages(tree):
+    """PP 4 where only stages 2 and 3 hold MoE layers: stage 2 records z_loss then
+    load_balancing_loss, stage 3 load_balancing_loss only (METRICS_PP_RECORDS['pp4-late']). Every
+    stage logs what force_initialize logs, and each name's value is its own sum: 0036 orders the
+    agreed names alike on every stage (not by a stage's own first: that order pairs stage 3's
+    load_balancing_loss with the others' z_loss in the PP all-reduce) and takes them from every
+    stage (not the last one's only: z_loss would be lost). Pristine: the two MoE stages wait in
+    the PP all-reduce that stages 0 and 1 never enter."""
+    want = _metrics_want('pp4-late')
+    assert sorted(want) == ['load_balancing_loss', 'z_loss'], want
+    forced = [_result(tree, 'pp4-force', r) for r in range(4)]
+    assert [r['stage'] for r in forced] == [0, 1, 2, 3], forced
+    assert [r['report_error'] for r in forced] == [None] * 4, forced
+    assert [r['scalars'] for r in forced] == [want] * 4, forced
+    assert len({r['log'] for r in forced}) == 1 and forced[0]['log'] != '', forced
+    plain = [_result(tree, 'pp4', r) for r in range(4)]
+    if _fixed(tree, METRICS_PP):
+        assert [r['report_error'] for r in plain] == [None] * 4, plain
+        assert [r['scalars'] for r in plain] == [want] * 4, plain
+        # The same segments as the forced log (in the agreed order: the first recording stage's).
+        segments = sorted(forced[0]['log'].split('|'))
+        assert [sorted(r['log'].split('|')) for r in plain] == [segments] * 4, plain
+    else:
+        for stage in (0, 1):
+            assert plain[stage] == {
+                'stage': stage,
+                'report_error': None,
+                'log': '',
+                'scalars': {},
+            }, plain
+        for stage in (2, 3):
+            error = plain[stage]['report_error']
+            assert error.startswith('RuntimeError: ') and PP4_TIMEOUT in error, plain
 
 
 # ------------------------------------------------------------------------------------------
@@ -366,6 +452,18 @@ def test_mtp_microbatch_counts(tree):
 # 7: expert grads under the mean loss when expert GTP != GTP (0.19.2).
 
 
+def _gtp_ratios(res):
+    """{param: grad after the sync / the mean over the data shards} of one rank's result."""
+    ratios = {}
+    for name, got in res['grad_after_sync'].items():
+        want = res['correct_grad_after_sync'][name] / res['data_shards']
+        if res['gtp_sharded'][name]:
+            want *= res['config_egtp']
+        assert len(got) == 1, (name, got)
+        ratios[name] = got[0] / want
+    return ratios
+
+
 @tiers.skipif(not HAS_GTP, 'no-gtp', f'base {BASE} has no generalized TP')
 @pytest.mark.parametrize('tree', TREES)
 def test_expert_gtp_mean_loss(tree):
@@ -378,12 +476,8 @@ def test_expert_gtp_mean_loss(tree):
     for gtp, egtp in GTP_LAYOUTS:
         for rank in (0, 1):
             res = _result(tree, ('gtp', gtp, egtp), rank)
-            for name, got in res['grad_after_sync'].items():
-                want = res['correct_grad_after_sync'][name] / res['data_shards']
-                if res['gtp_sharded'][name]:
-                    want *= res['config_egtp']
-                assert len(got) == 1, (gtp, egtp, name, got)
-                ratios[gtp, egtp, rank, name] = got[0] / want
+            for name, ratio in _gtp_ratios(res).items():
+                ratios[gtp, egtp, rank, name] = ratio
     if _fixed(tree, EXPERT_GTP_MEAN):
         assert set(ratios.values()) == {1.0}, ratios
         return
@@ -398,3 +492,34 @@ def test_expert_gtp_mean_loss(tree):
         (1, 2, 1, 'fc1.weight'): 0.75,
         (1, 2, 1, 'fc2.weight'): 0.75,
     }, wrong
+
+
+GTP_AVG_REFUSED = (
+    'AssertionError: GTP requires average_in_collective=False (the default); averaged collectives'
+    ' reduce over the GTP-excluded group and would miss the 1/gtp_remat gradient scaling factor.'
+)
+
+
+@tiers.skipif(not HAS_GTP, 'no-gtp', f'base {BASE} has no generalized TP')
+@pytest.mark.parametrize('tree', TREES)
+def test_expert_gtp_average_in_collective(tree):
+    """0037 corrects the expert pre-scale of the average_in_collective=False branch only. That
+    is its whole scope because upstream's DDP refuses average_in_collective wherever GTP or
+    expert GTP is above 1 (EGTP != GTP implies one of them is): with it on, GTP = EGTP = 1 gives
+    the mean over the data shards, the same grads as with it off (TP = ETP = 1: dense buffers;
+    TP 2 / ETP 1: expert buffers and their pre-scale edp / dp), and every layout with GTP or
+    EGTP = 2 is refused at construction. Upstream's own guard and branch: pristine does the same
+    (this case guards 0037's scope, not a bug of pristine)."""
+    for layout in GTP_AVG_REFUSED_LAYOUTS:
+        per_rank = CALLS[(tree, 'gtp-avg', True, *layout)].result()
+        assert [r.get('error') for r in per_rank] == [GTP_AVG_REFUSED] * 2, (layout, per_rank)
+    for layout in GTP_AVG_RUN_LAYOUTS:
+        for rank in (0, 1):
+            on = _result(tree, ('gtp-avg', True, *layout), rank)
+            off = _result(tree, ('gtp-avg', False, *layout), rank)
+            # (1, 1, 1, 1): dense buffers; TP 2 / ETP 1: expert buffers (the expert pre-scale).
+            want_buffer = 'expert' if layout[0] != layout[1] else 'dense'
+            assert set(on['buffer'].values()) == {want_buffer}, (layout, on)
+            assert set(_gtp_ratios(on).values()) == {1.0}, (layout, rank, on)
+            assert on['grad_after_sync'] == off['grad_after_sync'], (layout, rank, on, off)
+            assert set(on['correct_grad_after_sync'].values()) == {3.0}, on  # 2 ** 0 + 2 ** 1

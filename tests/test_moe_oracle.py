@@ -24,6 +24,9 @@ size (the load-balanced split by get_batch_on_this_cp_rank, RoPE's CP slice, the
 TP x CP reductions, MTP's roll across CP ranks, DDP over DP x CP, finalize_model_grads, the
 schedule). Under the mean loss the oracle is the mean of the CP ranks' own masked means
 (``objective_weights``).
+
+Virtual pipeline (tp2pp2vpp2): 4 layers, 2 model chunks of one layer per stage, the interleaved
+schedule, one data iterator per chunk; the oracle is the same 4-layer model in one process.
 """
 
 import pytest
@@ -72,6 +75,10 @@ LAYOUTS = {
     'tp2cp2': (4, {'tp': 2, 'cp': 2}),
     'cp2pp2': (4, {'cp': 2, 'pp': 2}),
     'cp4': (4, {'cp': 4}),
+    # Virtual pipeline: 2 model chunks per stage, one layer each (4 layers; the interleaved
+    # schedule): with TP 2 (sequence parallel) stage 0's second chunk and stage 1's first are
+    # neither the first nor the last stage, and route their chunk of the padding mask too (0048).
+    'tp2pp2vpp2': (4, {'tp': 2, 'pp': 2, 'vpp': 2}),
 }
 # Per layout: (per-token loss, padding mask, distributed optimizer, MTP); together they turn each
 # of the four on and off. Only the first two discriminate a candidate: the pristine arm runs
@@ -99,6 +106,8 @@ CP_VARIANTS = {
     'cp2pp2': ('pt1-pad1-do1', 'pt1-pad0-do0-mtp'),
     'cp4': ('pt0-pad1-do0',),
 }
+# The virtual-pipeline layout runs this only (the file's time): per-token + mask + distopt.
+VPP_VARIANTS = {'tp2pp2vpp2': ('pt1-pad1-do1',)}
 # The mean-loss MTP case with a padding mask pins 0044 (the MTP layer rolls the padding mask of
 # its sequence-parallel chunk): it runs where TP > 1 only.
 TP_ONLY_VARIANTS = ('pt0-pad1-do0-mtp',)
@@ -140,6 +149,7 @@ def _case(layout_name, variant, bias=True, model=None):
         name=f'{layout_name}-{variant}{suffix}',
         world=world,
         layout=layout,
+        layers=pp * layout.get('vpp', 1) if 'vpp' in layout else oracle.LAYERS,
         dp=dp,
         cp=cp,
         lb=lb,
@@ -165,7 +175,8 @@ BIAS_PAD_BROKEN = not _fixed(PRISTINE, BIAS_PAD)
 # TP x PP with a padding mask: without 0048 GPTModel scatters the padding mask to the
 # sequence-parallel chunks only on the first stage; later stages route their chunk with the
 # whole mask and raise (`The size of tensor a (8) must match the size of tensor b (16) at
-# non-singleton dimension 0`) while their peers wait: run only where the tree has 0048.
+# non-singleton dimension 0`) while their peers wait: run only where the tree has 0048 (with
+# virtual pipeline chunks too: there a chunk can be neither the first stage nor the last).
 TP_PP_MASK = 'gpt-padding-mask-sequence-parallel-every-stage'  # 0048 (found by this oracle)
 
 
@@ -173,6 +184,8 @@ def _variants(layout_name, variants, tree):
     lay = LAYOUTS[layout_name][1]
     tp, pp, cp = lay.get('tp', 1), lay.get('pp', 1), lay.get('cp', 1)
     mask_hangs = tp > 1 and pp > 1 and not _fixed(tree, TP_PP_MASK)
+    if 'vpp' in lay:
+        variants = [v for v in variants if v in VPP_VARIANTS[layout_name]]
     return [
         v
         for v in variants
@@ -215,7 +228,8 @@ def _ref_key(case):
     keep = ('dp', 'lb', 'z', 'mtp', 'per_token', 'pad', 'bias', 'mtp_last_padded')
     keep += ('linear_bias', 'dense_first')
     cp = '' if case['per_token'] or case['cp'] == 1 else f"-cp={case['cp']}"
-    return '-'.join(f'{k}={case[k]}' for k in keep) + cp
+    layers = '' if case['layers'] == oracle.LAYERS else f"-layers={case['layers']}"
+    return '-'.join(f'{k}={case[k]}' for k in keep) + cp + layers
 
 
 def _breaks(tree, case):

@@ -50,8 +50,9 @@ def _gtp_config(tp, etp, gtp, egtp, per_token):
     )
 
 
-def _gtp_experts(cfg, bias):
-    """Expert fc1/fc2 with ``arange`` weights, wrapped in DDP (no pre-scaling in the collective)."""
+def _gtp_experts(cfg, bias, average_in_collective=False):
+    """Expert fc1/fc2 with ``arange`` weights, wrapped in DDP (by default no averaging in the
+    collective: DDP pre-scales under the mean loss)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -74,7 +75,9 @@ def _gtp_experts(cfg, bias):
     return DistributedDataParallel(
         cfg,
         DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            average_in_collective=average_in_collective,
         ),
         module,
     )
@@ -145,11 +148,14 @@ def _report(cfg, params, names, expert_buffer, replicas, synced, correct):
     }
 
 
-def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True, per_token=True):
+def scenario_expert_gtp_sync(
+    ctx, tp, etp, gtp, egtp, bias=True, per_token=True, average_in_collective=False
+):
     """Build expert fc1/fc2 under (TP, ETP, GTP, EGTP) with EP = 1, DDP-wrap them, sync grads.
 
     ``per_token=False`` runs the mean loss instead (DDP pre-scales every grad; issue 31's
-    candidate 7, tests/test_moe_candidates.py).
+    candidate 7, tests/test_moe_candidates.py); ``average_in_collective=True`` with it averages in
+    the DP collective instead of pre-scaling (upstream's DDP refuses it where (expert) GTP > 1).
 
     Returns per rank: the ``allreduce`` flag and DDP buffer ('dense'/'expert') of every param,
     whether its weight is GTP-sharded, its grad after ``finalize_model_grads`` and the correct
@@ -167,7 +173,7 @@ def scenario_expert_gtp_sync(ctx, tp, etp, gtp, egtp, bias=True, per_token=True)
     update_gtp_config(pad_for_alignment=0)
     try:
         cfg = _gtp_config(tp, etp, gtp, egtp, per_token)
-        model = _gtp_experts(cfg, bias)
+        model = _gtp_experts(cfg, bias, average_in_collective)
         params = dict(model.module.named_parameters())
         names = sorted(params)
         expert_buffer = {id(p) for b in model.expert_parallel_buffers for p in b.params}

@@ -242,16 +242,47 @@ def scenario_expert_bias_counts(ctx, cases):
     return {'cases': out}
 
 
-def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
-    """PP = 2 (world 2): only stage 0 has an MoE layer and records a load-balancing loss; every
-    rank then calls the tracker's ``report`` as a library user would (no force_initialize), with
-    a gloo PP group whose timeout is ``timeout_s``, so a one-sided all-reduce fails instead of
-    hanging. Returns each rank's 'report_error' (or None) and log string."""
+# (number of layers, per pipeline stage the (name, layer number, value) its routers record): PP 2
+# with the MoE layer on stage 0 only (the default), and PP 4 with MoE layers on the last two
+# stages only: stage 2 records two names, z_loss first, stage 3 one of them (the stages' own
+# orders differ, and the last stage lacks a name). tests/test_moe_candidates.py reads it.
+METRICS_PP_RECORDS = {
+    'pp2': (2, [[('load_balancing_loss', 1, 0.25)], []]),
+    'pp4-late': (
+        4,
+        [
+            [],
+            [],
+            [('z_loss', 3, 0.5), ('load_balancing_loss', 3, 0.25)],
+            [('load_balancing_loss', 4, 0.125)],
+        ],
+    ),
+}
+
+
+class _Scalars:
+    """Stands in for TensorBoard's ``SummaryWriter``: the values ``report`` writes, unrounded."""
+
+    def __init__(self):
+        self.values = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.values[name] = float(value)
+
+
+def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5, layout='pp2'):
+    """PP = world size: each stage records what ``METRICS_PP_RECORDS[layout]`` gives it (a stage
+    without MoE layers records nothing); every rank then calls the tracker's ``report`` as a
+    library user would (no force_initialize), with a gloo PP group whose timeout is
+    ``timeout_s``, so a one-sided all-reduce fails instead of hanging. ``force_initialize``: as
+    Megatron's training loop calls it, every recorded name tracked. Returns each rank's
+    'report_error' (or None), log string and the scalars written (unrounded)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from tests.harness.group_cache import uncached_new_group
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    num_layers, records = METRICS_PP_RECORDS[layout]
+    ps.initialize_model_parallel(pipeline_model_parallel_size=len(records))
     try:
         pp_ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
         pp_group = uncached_new_group(
@@ -263,19 +294,24 @@ def scenario_metrics_pp(ctx, force_initialize=False, timeout_s=5):
         tracker = get_moe_metrics_tracker()
         tracker.metrics.clear()
         stage = ps.get_pipeline_model_parallel_rank()
-        if stage == 0:
-            tracker.record('load_balancing_loss', torch.tensor(0.25), 1, 2)
-        kwargs = dict(loss_scale=1.0, iteration=1, num_layers=2, pg_collection=pgc)
+        for name, layer, value in records[stage]:
+            tracker.record(name, torch.tensor(value), layer, num_layers)
+        writer = _Scalars()
+        kwargs = dict(
+            loss_scale=1.0, iteration=1, writer=writer, num_layers=num_layers, pg_collection=pgc
+        )
         if force_initialize:
-            kwargs.update(force_initialize=True, track_names=['load_balancing_loss'])
+            names = sorted({name for recs in records for name, _, _ in recs})
+            kwargs.update(force_initialize=True, track_names=names)
         try:
             log = tracker.report(**kwargs)
-            return {'stage': stage, 'report_error': None, 'log': log}
+            return {'stage': stage, 'report_error': None, 'log': log, 'scalars': writer.values}
         except Exception as exc:  # noqa: BLE001
             return {
                 'stage': stage,
                 'report_error': f'{type(exc).__name__}: {exc}'[:300],
                 'log': None,
+                'scalars': writer.values,
             }
         finally:
             tracker.metrics.clear()

@@ -37,7 +37,7 @@ VOCAB = 64
 SEQ = 8
 MBS = 2
 NUM_MICROBATCHES = 2
-LAYERS = 2
+LAYERS = 2  # unless a case sets 'layers' (its virtual pipeline chunks: one layer each)
 SEED = 31310
 AUX_COEFF = {'aux_loss': 1e-1, 'seq_aux_loss': 2e-1, 'global_aux_loss': 3e-1}
 Z_COEFF = 1e-2
@@ -140,6 +140,18 @@ def _mtp_mask(mask):
 # The model.
 
 
+def num_layers(case):
+    """The case's decoder layers (``LAYERS`` unless it sets 'layers')."""
+    return case.get('layers', LAYERS)
+
+
+def _moe_layer_freq(case):
+    """A dense first layer where the case asks for one (``moe_layer_freq`` as a pattern)."""
+    if case.get('dense_first'):
+        return [0] + [1] * (num_layers(case) - 1)
+    return None
+
+
 def model_config(case, dtype, reference):
     """The TransformerConfig of ``case`` (TP = EP = PP = 1 for the reference)."""
     import torch.nn.functional as F
@@ -161,7 +173,7 @@ def model_config(case, dtype, reference):
     if case['mtp']:
         extra.update(mtp_num_layers=1, mtp_loss_scaling_factor=MTP_SCALE)
     return TransformerConfig(
-        num_layers=LAYERS,
+        num_layers=num_layers(case),
         hidden_size=HIDDEN,
         ffn_hidden_size=FFN,
         num_attention_heads=HEADS,
@@ -169,6 +181,7 @@ def model_config(case, dtype, reference):
         pipeline_dtype=dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=lay.get('pp', 1),
+        virtual_pipeline_model_parallel_size=lay.get('vpp'),
         expert_model_parallel_size=lay.get('ep', 1),
         expert_tensor_parallel_size=lay.get('etp', tp),
         context_parallel_size=lay.get('cp', 1),
@@ -196,13 +209,14 @@ def model_config(case, dtype, reference):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         add_bias_linear=case.get('linear_bias', False),
-        moe_layer_freq=[0] + [1] * (LAYERS - 1) if case.get('dense_first') else 1,
+        moe_layer_freq=_moe_layer_freq(case) or 1,
         **extra,
     )
 
 
-def build_model(config, case):
-    """The GPTModel of this rank's pipeline stage (untied embeddings; MTP on the last stage)."""
+def build_model(config, case, vp_stage=None):
+    """The GPTModel of this rank's pipeline stage, or of its virtual stage ``vp_stage`` (model
+    chunk) under virtual pipeline parallelism (untied embeddings; MTP on the last stage)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -221,16 +235,20 @@ def build_model(config, case):
     mtp_spec = None
     if case['mtp']:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    stage = {}
+    if vp_stage is not None:
+        stage = dict(ignore_virtual=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(**stage),
+        post_process=ps.is_pipeline_last_stage(**stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type='rope',
         mtp_block_spec=mtp_spec,
+        **({'vp_stage': vp_stage} if vp_stage is not None else {}),
     )
 
 
@@ -390,8 +408,8 @@ def report_metrics(case, loss_scale, pg_collection=None):
         iteration=1,
         writer=writer,
         per_layer_logging=True,
-        num_layers=LAYERS,
-        moe_layer_freq=[0] + [1] * (LAYERS - 1) if case.get('dense_first') else None,
+        num_layers=num_layers(case),
+        moe_layer_freq=_moe_layer_freq(case),
         mtp_num_layers=1 if case['mtp'] else None,
         pg_collection=pg_collection,
     )
@@ -668,13 +686,15 @@ def _recording_bias_counts(out):
         module.get_updated_expert_bias = original
 
 
-def _step(model, forward_step, batches):
+def _step(chunks, forward_step, batches):
+    """One step of the schedule over the model chunks (the interleaved one where there are
+    several: each chunk reads the microbatches from its own iterator)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks,
         num_microbatches=NUM_MICROBATCHES,
         seq_length=SEQ,
         micro_batch_size=MBS,
@@ -692,6 +712,7 @@ def _parallel_run(ctx, case):
         expert_model_parallel_size=lay.get('ep', 1),
         expert_tensor_parallel_size=lay.get('etp'),
         context_parallel_size=lay.get('cp', 1),
+        virtual_pipeline_model_parallel_size=lay.get('vpp'),
     )
     try:
         with _upstream_state():
@@ -710,19 +731,28 @@ def _parallel_step(case):
     )
 
     config = model_config(case, torch.float32, reference=False)
-    module = build_model(config, case)
-    set_weights(module)
-    model = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            use_distributed_optimizer=case['distopt'],
-            overlap_grad_reduce=False,
-        ),
-        module,
+    vpp = case['layout'].get('vpp')
+    # One model chunk per virtual stage under virtual pipeline parallelism (else one).
+    modules = (
+        [build_model(config, case, i) for i in range(vpp)] if vpp else [build_model(config, case)]
     )
+    chunks = []
+    for i, module in enumerate(modules):
+        set_weights(module)
+        chunks.append(
+            DistributedDataParallel(
+                config,
+                DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True,
+                    use_distributed_optimizer=case['distopt'],
+                    overlap_grad_reduce=False,
+                ),
+                module,
+                disable_bucketing=i > 0,  # as megatron.training's get_model
+            )
+        )
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = [m.no_sync for m in chunks] if vpp else chunks[0].no_sync
     config.grad_sync_func = None
     config.param_sync_func = None
     config.grad_scale_func = None
@@ -749,13 +779,14 @@ def _parallel_step(case):
 
         return output, loss_func
 
-    model.zero_grad_buffer()
+    for model in chunks:
+        model.zero_grad_buffer()
     reduced = []
     with _recording_bias_counts(reduced):
-        _step(model, forward_step, batches)
+        _step(chunks, forward_step, batches)
     if case['distopt']:
-        _gather_distopt_shards(model)
-    grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
+        for model in chunks:
+            _gather_distopt_shards(model)
     try:
         pp = case['layout'].get('pp', 1)
         pgc = _timed_pp_collection() if case.get('dense_first') and pp > 1 else None
@@ -766,12 +797,18 @@ def _parallel_step(case):
         # A stage whose report() waited out the PP group's timeout is that much behind the other:
         # leave the case together, so that no later call's collective starts one-sided.
         torch.distributed.barrier()
+    grads = []
+    routers = {}  # in finalize_model_grads' order: chunk by chunk
+    for module in modules:
+        main_grads = {p: p.main_grad for p in module.parameters() if p.requires_grad}
+        grads += grads_by_key(module, main_grads)
+        routers.update(_router_state(module))
     return {
         'metrics': metrics,
-        'grads': grads_by_key(module, grads),
-        'bias': {k: bias for k, (bias, _) in _router_state(module).items()},
+        'grads': grads,
+        'bias': {k: bias for k, (bias, _) in routers.items()},
         # The tokens per expert the expert-bias update used (reduced over TP x DP x CP).
-        'counts': dict(zip(_router_state(module), reduced[0].tolist())) if reduced else {},
+        'counts': dict(zip(routers, reduced[0].tolist())) if reduced else {},
         'stage': ps.get_pipeline_model_parallel_rank(),
     }
 
