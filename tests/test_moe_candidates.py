@@ -89,9 +89,7 @@ for _tree in TREES:
     CALLS[_tree, 'ref'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES, reference=True)
     CALLS[_tree, 'bias'] = call(2, _tree, MOD + 'scenario_expert_bias_counts', cases=BIAS_CASES)
     CALLS[_tree, 'mlp'] = call(2, _tree, MOD + 'scenario_moe_bias_grads')
-    CALLS[_tree, 'tp2'] = call(
-        2, _tree, MOD + 'scenario_router_grads', cases=CASES + PAD_ALL_CASES
-    )
+    CALLS[_tree, 'tp2'] = call(2, _tree, MOD + 'scenario_router_grads', cases=CASES + PAD_ALL_CASES)
     CALLS[_tree, 'mtp'] = call(2, _tree, MOD + 'scenario_mtp_microbatches')
     for _gtp, _egtp in GTP_LAYOUTS if HAS_GTP else ():
         CALLS[_tree, 'gtp', _gtp, _egtp] = call(

@@ -16,10 +16,11 @@ plain DDP, bf16 with fp32 main params, fp16 with the loss scaler, one fp32 param
 per-module LRs (``--decoupled-lr``), several buckets, a small MoE with expert parallelism 2 (expert
 and dense params of uneven sizes), the MoE at TP 2 with sequence parallelism and EP 2, world 2 and
 4; on a resume, ``--override-opt-param-scheduler`` with a new LR (the resumed LRs must equal those
-of a run started with the new LR), and, on the fork, ``--warmup-train-steps``. Resharding: a DP 4 fully_reshardable checkpoint resumed at DP 2
-(same global batch): the loaded model is bitwise the saved one; the steps after it sum the
-gradients in another order, so they are compared with a bound measured in the same test (the
-distance between the DP 2 and DP 4 runs that never stopped).
+of a run started with the new LR), and, on the fork, ``--warmup-train-steps``. Resharding: a DP 4
+fully_reshardable checkpoint resumed at DP 2 (same global batch): the loaded model is bitwise the
+saved one; the steps after it sum the gradients in another order, so they are compared with a
+bound measured in the same test (the distance between the DP 2 and DP 4 runs that never
+stopped).
 
 Counterfactual: the pristine base, run through the same check, fails where a resume bug of
 docs/resume.md is open on it (``PRISTINE`` below, per base); the fork passes everywhere.
