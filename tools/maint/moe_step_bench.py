@@ -15,6 +15,8 @@ machine's drift reaches every arm alike:
 - ``act-eager``: only the experts' weighted activations (forward and backward) eager;
 - ``bda-eager``: only ``bias_dropout_add_fused_train`` eager;
 - ``rest-eager``: all but the experts' weighted activations eager;
+- ``act-nested-eager``: the activations and the compiled functions they call (``swiglu``,
+  ``swiglu_back``) eager: the activations as the ``eager`` arm runs them;
 - ``actfwd-eager`` / ``actbwd-eager``: only the activations' forward / backward functions eager;
 - ``only:NAME+NAME`` / ``except:NAME+NAME``: only those eager / all but those eager;
 - ``noguard``: as ``compiled``, under ``set_stance(skip_guard_eval_unsafe=True)`` (what dynamo's
@@ -111,6 +113,7 @@ def _model(experts):
         gated_linear_unit=True,
         activation_func=F.silu,
         bias_activation_fusion=True,
+        bias_dropout_fusion=True,  # as pretrain_gpt.py (--no-bias-dropout-fusion not given)
         bf16=True,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -158,6 +161,9 @@ def main():
         'act-eager': act,
         'bda-eager': {n for n in names if n.startswith('bias_dropout_add')},
         'rest-eager': set(names) - act,
+        # The weighted SwiGLU functions call swiglu / swiglu_back (compiled too): eager alone
+        # they leave those compiled, one more dynamo entry per call than the compiled arm.
+        'act-nested-eager': act | ({'swiglu', 'swiglu_back'} & set(names)),
         'actfwd-eager': {n for n in act if not n.endswith('_back')},
         'actbwd-eager': {n for n in act if n.endswith('_back')},
         'noguard': set(),
