@@ -64,10 +64,11 @@ def _flat(grads, names):
 def _run(case):
     import importlib
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     from megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision import (
         MixedPrecisionPolicy,
     )
-    from torch.distributed.device_mesh import init_device_mesh
 
     fs = importlib.import_module('megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard')
     n_micro, cycles = case['n_micro'], case.get('cycles', 1)
@@ -120,8 +121,8 @@ def _run(case):
         gbuf = g.main_grad_buffer
         for p in g.params if gbuf is not None else ():
             item = gbuf.get_item(gbuf.param_idx[p], only_shard=False)
-            got[pgb.param_to_name[p].removeprefix('module.')] = item.detach().double().reshape(
-                p.shape
+            got[pgb.param_to_name[p].removeprefix('module.')] = (
+                item.detach().double().reshape(p.shape)
             )
     ref64 = _eager(n_micro, torch.float64)
     names = sorted(ref64)

@@ -118,17 +118,23 @@ class TestSingleRankGradAccumulation:
         grads = self._accumulate(num_microbatches, grad_comm_dtype=torch.bfloat16)
         for name, expected in _reference_grads(num_microbatches).items():
             # One bf16 rounding of the accumulated gradients (the communication buffer).
-            torch.testing.assert_close(grads[name], expected, rtol=1e-2, atol=1e-2, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                grads[name], expected, rtol=1e-2, atol=1e-2, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
     @pytest.mark.parametrize("div_fusion", [True, False])
     @pytest.mark.parametrize("num_microbatches", [1, 3, 4])
     def test_scaling_factor_applied_once(self, num_microbatches, div_fusion):
         grads = self._accumulate(num_microbatches, scaling_factor=0.5, div_fusion=div_fusion)
         for name, expected in _reference_grads(num_microbatches).items():
-            torch.testing.assert_close(grads[name], 0.5 * expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                grads[name], 0.5 * expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
     @pytest.mark.parametrize("num_microbatches", [3])
     def test_default_dtypes_unchanged(self, num_microbatches):
         grads = self._accumulate(num_microbatches)
         for name, expected in _reference_grads(num_microbatches).items():
-            torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                grads[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
