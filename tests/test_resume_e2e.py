@@ -94,8 +94,6 @@ CONFIGS = {
     'distopt-fp16-no-step-yet': dict(ws=2, args=_args(2, remove=BF16, add=['--fp16'])),
     # plain DDP (Float16OptimizerWithFloat16Params)
     'ddp': dict(ws=2, args=_args(2, remove=DISTOPT)),
-    # MoE, EP 2: expert and dense params in separate buffers of uneven sizes
-    'moe-ep2': dict(ws=2, args=_args(2, add=MOE)),
     # MoE, EP 2, plain DDP, the router's random logits (--moe-router-force-load-balancing) drawn
     # from the expert-parallel tracker stream, which is seeded per EP rank (change
     # rng-state-per-rank); and the same with --data-parallel-random-init (the states of every DP
@@ -104,15 +102,13 @@ CONFIGS = {
     'moe-ep2-ddp-dprandom': dict(
         ws=2, args=_args(2, remove=DISTOPT, add=MOE + FORCE_LB + ['--data-parallel-random-init'])
     ),
-    # MoE at TP 2 with sequence parallelism and EP 2 (world 4, plain DDP): the model-parallel
-    # stream is seeded per TP rank and feeds the hidden dropout under SP, the expert-parallel
-    # stream per EP rank the router's random logits; each rank must resume its own (change
-    # rng-state-per-rank with TP > 1)
+    # MoE at TP 2 with sequence parallelism and EP 2 (world 4): expert and dense params in
+    # separate buffers of uneven sizes; the model-parallel stream is seeded per TP rank and feeds
+    # the hidden dropout under SP, the expert-parallel stream per EP rank the router's random
+    # logits: each rank must resume its own (change rng-state-per-rank with TP > 1)
     'moe-tp2-ep2': dict(
         ws=4,
-        args=_args(
-            4, remove=DISTOPT, add=['--tensor-model-parallel-size', '2', '--sequence-parallel']
-        )
+        args=_args(4, add=['--tensor-model-parallel-size', '2', '--sequence-parallel'])
         + MOE
         + FORCE_LB,
     ),
