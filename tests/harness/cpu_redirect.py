@@ -7,6 +7,7 @@ dependency in the code under test shows up as a loud error instead of silent CPU
 """
 
 import contextlib
+import os
 import sys
 import types
 
@@ -186,6 +187,21 @@ def pretrain_mode():
         _ACTIVE.update(saved)
 
 
+# Added by megatron_fsdp_mode() only: Megatron-FSDP formats its device as f"cuda:{index}"
+# (megatron_fsdp.py), so the current device must be an index; the redirect maps cuda:0 to the CPU.
+MEGATRON_FSDP_COVERED = {'current_device': lambda: 0}
+
+
+@contextlib.contextmanager
+def megatron_fsdp_mode():
+    """pretrain_mode() plus MEGATRON_FSDP_COVERED, for Megatron-FSDP on CPU ranks. A process
+    whose ``FORK_CPU_REDIRECT_MODE`` is ``megatron_fsdp`` (tools/maint/dev_unit_bisect.sh, for an
+    upstream-layout test that cannot enter it) is in it from install() on."""
+    with pretrain_mode():
+        _ACTIVE.update(MEGATRON_FSDP_COVERED)
+        yield
+
+
 # Modules whose torch.cuda accesses are checked: the code under test and the scenarios.
 CHECKED_PREFIXES = ('megatron', 'tests')
 
@@ -294,6 +310,9 @@ def install():
     torch.Tensor.type = _tensor_type
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    if os.environ.get('FORK_CPU_REDIRECT_MODE') == 'megatron_fsdp':
+        _ACTIVE.update(PRETRAIN_COVERED)
+        _ACTIVE.update(MEGATRON_FSDP_COVERED)
 
 
 def installed():

@@ -11,8 +11,8 @@ pipeline) in a world of one rank: a two-block MLP, N microbatches with ``no_sync
 the last (as Megatron's schedules do), then ``finish_grad_sync()``. The accumulated main grads
 are compared with the float64 sum of the per-microbatch grads of an identical plain-torch copy,
 and with the float32 eager copy's distance from that sum (the bound of the fork arm).
-Stood in, for CPU: ``torch.cuda.current_device()`` -> 0 (megatron_fsdp formats
-``cuda:{index}``), the pretrain-mode redirects (``empty_cache``); gloo has no PREMUL_SUM, so the
+Stood in, for CPU: the redirect's ``megatron_fsdp_mode()`` (``torch.cuda.current_device()`` -> 0:
+megatron_fsdp formats ``cuda:{index}``; the pretrain-mode redirects such as ``empty_cache``); gloo has no PREMUL_SUM, so the
 cases that need the tree to pick it set ``gradient_reduce_div_fusion=False`` (unfused mul_ + SUM);
 cases with ``div_fusion=True`` keep the default and only run where a one-rank reduction scales
 explicitly. A scale of 0.5 on the one-rank group stands for the expert buffer at EP = DP = 2.
@@ -148,20 +148,12 @@ def scenario_mfsdp_one_rank_grads(ctx, cases):
     from tests.harness import cpu_redirect
 
     out = []
-    with cpu_redirect.pretrain_mode():
-        saved = cpu_redirect._ACTIVE.get('current_device')
-        cpu_redirect._ACTIVE['current_device'] = lambda: 0
-        try:
-            for case in cases:
-                row = {'name': case['name']}
-                try:
-                    row.update(_run(case))
-                except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
-                    row['error'] = f'{type(exc).__name__}: {exc}'[:400]
-                out.append(row)
-        finally:
-            if saved is None:
-                cpu_redirect._ACTIVE.pop('current_device', None)
-            else:
-                cpu_redirect._ACTIVE['current_device'] = saved
+    with cpu_redirect.megatron_fsdp_mode():
+        for case in cases:
+            row = {'name': case['name']}
+            try:
+                row.update(_run(case))
+            except Exception as exc:  # noqa: BLE001  pylint: disable=broad-except
+                row['error'] = f'{type(exc).__name__}: {exc}'[:400]
+            out.append(row)
     return {'cases': out}

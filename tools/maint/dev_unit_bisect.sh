@@ -22,6 +22,8 @@ base=${DEV_BASE:-}
   "$here/patches/upstream.toml") || exit 2
 # 0049's test needs dynamo outside the redirect's TorchFunctionMode (ci.yml says why).
 native=tests/unit_tests/fusions/test_routed_token_fuser.py
+# 0056's test builds Megatron-FSDP, which needs the current device as an index on CPU ranks.
+mfsdp=tests/unit_tests/distributed/mfsdp_v1/test_mfsdp_single_rank_grad_accumulation.py
 trap 'git -C "$mlm" checkout -q -f "$head"' EXIT
 # Checkouts a second apart can leave a .pyc that still matches the new source's mtime and size.
 export PYTHONDONTWRITEBYTECODE=1
@@ -32,6 +34,7 @@ run_tests() {  # run_tests FILE...: pytest's closing line (world 1 on CPU)
                   PYTHONPATH="$here/tests/harness")
   local plugin=(-p cpu_gloo_plugin)
   if [ "$*" = "$native" ]; then redirect=(env); plugin=(); fi
+  if [ "$*" = "$mfsdp" ]; then redirect+=(FORK_CPU_REDIRECT_MODE=megatron_fsdp); fi
   (cd "$mlm" && "${redirect[@]}" "$py" -m pytest "${plugin[@]}" -o addopts= -q \
      -p no:cacheprovider "$@" 2>&1 | tail -1)
 }
