@@ -15,7 +15,8 @@ Stood in, for CPU: the redirect's ``megatron_fsdp_mode()`` (``torch.cuda.current
 megatron_fsdp formats ``cuda:{index}``; the pretrain-mode redirects such as ``empty_cache``).
 Gloo has no PREMUL_SUM, so the cases that need the tree to pick it set
 ``gradient_reduce_div_fusion=False`` (unfused mul_ + SUM); cases with ``div_fusion=True`` keep the
-default and only run where a one-rank reduction scales explicitly. A scale of 0.5 on the one-rank group stands for the expert buffer at EP = DP = 2.
+default and only run where a one-rank reduction scales explicitly. A scale of 0.5 on the
+one-rank group stands for the expert buffer at EP = DP = 2.
 """
 
 import contextlib
