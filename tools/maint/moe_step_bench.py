@@ -64,6 +64,12 @@ def _switch(obj, name):
         eager = inspect.unwrap(obj)
 
         def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                # Traced inside another compiled function (weighted_swiglu calls swiglu): the
+                # graph inlines the compiled function, as in the shipped tree. Counting or
+                # reading _EAGER here would put guards on them: a recompile per call up to the
+                # limit, then the caller runs eagerly in every arm.
+                return obj(*args, **kwargs)
             _CALLS[name] = _CALLS.get(name, 0) + 1
             return (eager if name in _EAGER else obj)(*args, **kwargs)
 
