@@ -55,6 +55,7 @@ MLP_BIAS = 'moe-expert-bias-out-of-place'  # 0033 (candidate 6)
 METRICS_PP = 'moe-metrics-pp-names'  # 0036 (candidate 5)
 Z_METRIC = 'moe-z-loss-metric-tp-average'  # 0046 (found by this oracle's metrics)
 Z_VALID = 'moe-z-loss-valid-token-mean'  # 0047 (found by this oracle's metrics)
+GLOBAL_AUX = 'global-aux-loss-definition'  # 0053 (issue 39 item 3)
 
 # name: (world, layout). Every layout of world 2 and 4 that the local spec runs without CP; the
 # dense DP size is what TP x PP leaves (dp2ep2: dense DP 4, expert DP 2; ep4: expert DP 1).
@@ -139,11 +140,6 @@ def _case(layout_name, variant, bias=True, model=None):
     per_token, pad, distopt, mtp = VARIANTS[variant]
     tp, pp, cp = layout.get('tp', 1), layout.get('pp', 1), layout.get('cp', 1)
     dp = world // (tp * pp * cp)
-    lb = ['aux_loss', 'seq_aux_loss']
-    if dp == 1:
-        # The global aux loss averages the counts over the DP ranks' microbatches: the one-process
-        # reference runs microbatch by microbatch, so it matches only where DP is 1.
-        lb.append('global_aux_loss')
     suffix = ('' if bias else '-nobias') + (f'-{model}' if model else '')
     return dict(
         name=f'{layout_name}-{variant}{suffix}',
@@ -152,7 +148,7 @@ def _case(layout_name, variant, bias=True, model=None):
         layers=pp * layout.get('vpp', 1) if 'vpp' in layout else oracle.LAYERS,
         dp=dp,
         cp=cp,
-        lb=lb,
+        lb=['aux_loss', 'seq_aux_loss', 'global_aux_loss'],
         z=True,
         mtp=mtp,
         per_token=per_token,
@@ -232,6 +228,18 @@ def _ref_key(case):
     return '-'.join(f'{k}={case[k]}' for k in keep) + cp + layers
 
 
+def _uneven_microbatches(case):
+    """True when U_0, U_1, ... (every DP rank's m-th microbatch) hold different counts of valid
+    tokens: upstream's global aux f (the mean count so far over the current microbatch's
+    tokens) then misses the definition's (the counts so far over their tokens)."""
+    counts = {
+        sum(float(oracle.microbatch(r * oracle.NUM_MICROBATCHES + m)[2].sum()) for r in dps)
+        for dps in [range(case['dp'])]
+        for m in range(oracle.NUM_MICROBATCHES)
+    }
+    return len(counts) > 1
+
+
 def _breaks(tree, case):
     """The candidates of issue 31 (and earlier MoE changes) that ``case`` exercises and ``tree``
     lacks the fix of, from the change records."""
@@ -263,6 +271,13 @@ def _breaks(tree, case):
             out.append('8 MTP per-token over microbatches')
         if case['mtp'] and case['dp'] > 1 and not _fixed(tree, MTP_DP):
             out.append('0019 MTP per-token over DP')
+    if 'global_aux_loss' in case['lb'] and not _fixed(tree, GLOBAL_AUX):
+        if case['pad'] and _uneven_microbatches(case):
+            out.append('0053 (a) global aux: f of microbatches with uneven valid tokens')
+        # Per-token with a padding mask at TP x CP = 1 the rank's share is weighted right by
+        # accident (the in-place TP reduce of candidate 1 hands it the global count).
+        if case['dp'] > 1 and not (case['per_token'] and case['pad'] and tp == 1):
+            out.append('0053 (b) global aux at DP > 1: the DP ranks\' shares averaged, not summed')
     sp_roll_broken = _state(SP_ROLL) is not None and not _fixed(tree, SP_ROLL)
     if case['mtp'] and case['pad'] and sp_roll_broken and _chunk_roll_differs(case):
         out.append('0044 MTP rolls the padding mask of its sequence-parallel chunk')

@@ -60,6 +60,44 @@ def _weight():
 
 
 # ------------------------------------------------------------------------------------------
+# The definition (float64 here; tests/scenarios/moe_oracle.py feeds it a GPT's routers too).
+
+
+def scores_and_routing(logits, topk, score_function='softmax'):
+    """The scores [T, E] that the load-balancing losses average (the router's score function;
+    sigmoid scores normalized over the experts; no expert bias) and the top-k routing map
+    [T, E] of those scores (a constant) that they count, for the logits [T, E] of some tokens."""
+    if score_function == 'softmax':
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        assert score_function == 'sigmoid', score_function
+        scores = torch.sigmoid(logits)
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    idx = torch.topk(scores.detach(), topk, dim=-1).indices
+    return scores, torch.zeros_like(scores.detach()).scatter(1, idx, 1.0)
+
+
+def running_fractions(counts, tokens, topk):
+    """The definition's f^(m) for m = 0, 1, ...: ``counts[m]`` = C_m (the tokens per expert of
+    U_m, every DP rank's m-th microbatch; no gradient) and ``tokens[m]`` = T_m (its valid
+    tokens): f^(m) = sum_{k<=m} C_k / (topk * sum_{k<=m} T_k)."""
+    return [sum(counts[: m + 1]) / (topk * sum(tokens[: m + 1])) for m in range(len(counts))]
+
+
+def loss_share(f, scores, total_tokens):
+    """The part of L_m = E * sum_i f_i P_i that ``scores`` [T, E] (some of U_m's valid tokens, a
+    DP rank's microbatch m) hold, P over ``total_tokens`` = T_m: U_m's parts add up to L_m."""
+    return scores.shape[-1] * (f * scores.sum(0)).sum() / total_tokens
+
+
+def objective_weight(per_token, total_tokens, step_tokens, microbatches):
+    """The weight of L_m in the step's objective (times the coefficient): 1 / M under the mean
+    loss; under per-token loss T_m / N (``total_tokens`` over the step's tokens ``step_tokens``:
+    every token weighs 1 / N, as in the main loss)."""
+    return total_tokens / step_tokens if per_token else 1.0 / microbatches
+
+
+# ------------------------------------------------------------------------------------------
 # Reference from the definition (float64, one process, no megatron code).
 
 
@@ -68,10 +106,7 @@ def _scores(w, x, mask):
     flat = x.reshape(-1, HIDDEN)
     if mask is not None:
         flat = flat[~mask.reshape(-1)]
-    s = torch.softmax(flat @ w.t(), dim=-1)
-    idx = torch.topk(s.detach(), TOPK, dim=-1).indices
-    rmap = torch.zeros_like(s).scatter(1, idx, 1.0)
-    return s, rmap
+    return scores_and_routing(flat @ w.t(), TOPK)
 
 
 def reference(loss, per_token, pattern, variant='prefix'):
@@ -86,23 +121,21 @@ def reference(loss, per_token, pattern, variant='prefix'):
     J = 0.0
     if loss == 'aux_loss':
         for (r, m), (s, rmap) in per.items():
-            f = rmap.sum(0) / (TOPK * T[r, m])
-            P = s.sum(0) / T[r, m]
-            L = EXPERTS * (f * P).sum()
+            L = loss_share(rmap.sum(0) / (TOPK * T[r, m]), s, T[r, m])
             J = J + COEFF * (T[r, m] / N if per_token else 1.0 / (DP * M)) * L
     else:
         Tm = [sum(T[r, m] for r in range(DP)) for m in range(M)]
         Cm = [sum(per[r, m][1].sum(0) for r in range(DP)) for m in range(M)]
+        prefix = running_fractions(Cm, Tm, TOPK)
         for m in range(M):
-            Pm_r = [per[r, m][0].sum(0) / Tm[m] for r in range(DP)]  # rank r's part of P^(m)
             if variant == 'step':
                 f = sum(Cm) / (TOPK * sum(Tm))
             elif variant.startswith('upstream'):
                 f = (sum(Cm[: m + 1]) / (m + 1)) / (TOPK * Tm[m])
             else:
-                f = sum(Cm[: m + 1]) / (TOPK * sum(Tm[: m + 1]))
+                f = prefix[m]
             for r in range(DP):
-                Lr = EXPERTS * (f * Pm_r[r]).sum()
+                Lr = loss_share(f, per[r, m][0], Tm[m])  # rank r's part of L_m
                 if variant == 'upstream-mean':  # DDP mean of per-rank losses: 1/(DP M)
                     wgt = 1.0 / (DP * M)
                 elif variant == 'upstream-pt-global':  # rescale by T_m (pristine, mask)
@@ -110,28 +143,25 @@ def reference(loss, per_token, pattern, variant='prefix'):
                 elif variant == 'upstream-pt-local':  # rescale by T_{r,m} (0034, or no mask)
                     wgt = T[r, m] / N
                 else:
-                    wgt = Tm[m] / N if per_token else 1.0 / M
+                    wgt = objective_weight(per_token, Tm[m], N, M)
                 J = J + COEFF * wgt * Lr
     J.backward()
     return w.grad.flatten().tolist()
-
-
-# ------------------------------------------------------------------------------------------
-# The parallel run (the tree under test), a world of DP = 2 CPU ranks.
 
 
 def reference_values(pattern):
     """The definition's L_m (no coefficient) of each microbatch m: the global loss's value."""
     w = _weight()
     per = {(r, m): _scores(w, *_data(r, m, pattern)) for r in range(DP) for m in range(M)}
-    values, counts, tokens = [], 0.0, 0.0
-    for m in range(M):
-        scores = torch.cat([per[r, m][0] for r in range(DP)])
-        counts = counts + torch.cat([per[r, m][1] for r in range(DP)]).sum(0)
-        tokens += scores.shape[0]
-        f = counts / (TOPK * tokens)
-        values.append(float(EXPERTS * (f * scores.mean(0)).sum()))
-    return values
+    scores = [torch.cat([per[r, m][0] for r in range(DP)]) for m in range(M)]
+    counts = [torch.cat([per[r, m][1] for r in range(DP)]).sum(0) for m in range(M)]
+    tokens = [float(s.shape[0]) for s in scores]
+    fractions = running_fractions(counts, tokens, TOPK)
+    return [float(loss_share(f, s, t)) for f, s, t in zip(fractions, scores, tokens)]
+
+
+# ------------------------------------------------------------------------------------------
+# The parallel run (the tree under test), a world of DP = 2 CPU ranks.
 
 
 class _RouterModule(torch.nn.Module):

@@ -340,11 +340,12 @@ def _routers(module):
     return [(n, m) for n, m in module.named_modules() if isinstance(m, TopKRouter)]
 
 
-def _routers_by_key(module):
-    """{'<decoder|mtp>:<layer number>': router} of the routers with an expert bias."""
+def _routers_by_key(module, expert_bias=True):
+    """{'<decoder|mtp>:<layer number>': router} of the routers (with an expert bias only, unless
+    ``expert_bias`` is False)."""
     out = {}
     for name, router in _routers(module):
-        if router.expert_bias is not None:
+        if router.expert_bias is not None or not expert_bias:
             where = 'mtp' if name.startswith('mtp.') else 'decoder'
             out[f'{where}:{router.layer_number}'] = router
     return out
@@ -365,6 +366,95 @@ def _counting_hook(counts, key, valid):
         counts[key] = counts[key] + total if key in counts else total
 
     return hook
+
+
+def _logits_hook(logits, key, valid):
+    """A forward pre-hook keeping in logits[key] the router's logits of the valid tokens (rows
+    of ``valid`` as in :func:`_counting_hook`), computed here from the router's input, weight
+    and bias, with their graph: the global aux loss's scores come from them."""
+
+    def hook(router, args):
+        flat = args[0].reshape(-1, args[0].shape[-1])
+        out = torch.nn.functional.linear(flat, router.weight, router.bias)
+        rows = valid[1] if key.startswith('mtp') and valid[0] is not None else valid[0]
+        logits[key] = out if rows is None else out[rows]
+
+    return hook
+
+
+class _GlobalAux:
+    """The global load-balancing loss of the reference, written out from its definition
+    (tests/scenarios/global_aux_loss.py's helpers; docs/moe-gradients.md, section 10) instead of
+    the tree's router: the reference model runs without it, and :meth:`terms` adds, for each DP
+    rank's microbatch m, its part of ``coeff * weight_m * L_m`` to that microbatch's objective.
+
+    The scores are the router's score function of the logits that :func:`_logits_hook` keeps
+    (no expert bias), over the router's valid tokens; the counts C_m are their top-k over U_m
+    (every DP rank's microbatch m: the reference runs those before any of them steps back), and
+    f^(m) is over U_0..U_m (constants). Each router also records its value for the tracker:
+    DP x its part, which the reference's report scales by 1 / (DP x M), the tracker's mean over
+    the step's microbatches of L_m summed over the ranks.
+    """
+
+    def __init__(self, module, config, valid):
+        self.config = config
+        self.routers = _routers_by_key(module, expert_bias=False)
+        self.logits = {}
+        self.hooks = [
+            router.register_forward_pre_hook(_logits_hook(self.logits, key, valid))
+            for key, router in self.routers.items()
+        ]
+        self.counts = {key: [] for key in self.routers}
+        self.tokens = {key: [] for key in self.routers}
+
+    def take(self):
+        """This forward's logits per router (one DP rank's microbatch)."""
+        out = dict(self.logits)
+        self.logits.clear()
+        return out
+
+    def terms(self, parts, per_token, step_count, microbatches):
+        """Per DP rank (``parts``: its logits per router, in DP rank order, microbatch m of
+        each, m = the number of earlier calls): its global aux term in the objective, the
+        coefficient and weight included."""
+        from tests.scenarios import global_aux_loss as definition
+
+        config = self.config
+        out = [0.0] * len(parts)
+        for key, router in self.routers.items():
+            scored = [
+                definition.scores_and_routing(
+                    part[key], config.moe_router_topk, config.moe_router_score_function
+                )
+                for part in parts
+            ]
+            self.counts[key].append(sum(routing.sum(0) for _, routing in scored))
+            self.tokens[key].append(float(sum(scores.shape[0] for scores, _ in scored)))
+            total = self.tokens[key][-1]
+            f = definition.running_fractions(
+                self.counts[key], self.tokens[key], config.moe_router_topk
+            )[-1]
+            weight = definition.objective_weight(per_token, total, step_count, microbatches)
+            for r, (scores, _) in enumerate(scored):
+                share = definition.loss_share(f, scores, total)
+                out[r] = out[r] + AUX_COEFF['global_aux_loss'] * weight * share
+                self._record(router, len(parts) * share.detach())
+        return out
+
+    def _record(self, router, value):
+        """Into the tracker under the router's name and layer, as its router records it."""
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        config = self.config
+        layers = config.num_layers + (config.mtp_num_layers or 0)
+        number = router.layer_number + (config.num_layers if router.is_mtp_layer else 0)
+        get_moe_metrics_tracker().record(
+            'global_load_balancing_loss', value, number, layers, needs_dp_avg=False
+        )
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
 
 
 def _router_state(module):
@@ -472,7 +562,9 @@ def _reference_step(case, dtype):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    config = model_config(case, dtype, reference=True)
+    # The global aux loss is not the tree's here: _GlobalAux writes it out from its definition.
+    lb = [t for t in case['lb'] if t != 'global_aux_loss']
+    config = model_config(dict(case, lb=lb), dtype, reference=True)
     module = build_model(config, case).to(dtype)
     set_weights(module)
     bias0 = {k: bias for k, (bias, _) in _router_state(module).items()}
@@ -487,40 +579,58 @@ def _reference_step(case, dtype):
         router.register_forward_hook(_counting_hook(counts, key, valid))
         for key, router in _routers_by_key(module).items()
     ]
-    for tokens, labels, mask in batches:
-        valid[:] = (
-            [(mask != 0).t().reshape(-1), _mtp_valid(mask, case['mtp_last_padded'])]
-            if case['pad']
-            else [None]
-        )
-        count = float(mask.sum())
-        router_count = count if case['pad'] else float(mask.numel())
-        cp = case['cp']
-        cp_counts = None
-        if cp > 1:
-            owner = moe_oracle_cp.owner(cp, SEQ)
-            per_rank = torch.stack([mask[:, owner == r].sum() for r in range(cp)])
-            cp_counts = per_rank[owner].to(dtype).expand(MBS, SEQ)
-        w_main, w_aux = objective_weights(
-            case['per_token'], count, router_count, step_count, dp, mbs, cp, cp_counts
-        )
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
-        mtp_router_factor = 1.0
-        if case['mtp']:
-            mtp_count = float(_mtp_mask(mask).sum())
-            w_mtp = mtp_weight(case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs)
-            MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
-            # The MTP routers count their own tokens, the padding mask rolled left by one: its
-            # last position padded on dev (a sequence's first valid token drops out of the
-            # count), valid on the releases (as many tokens as the decoder's routers here).
-            mtp_router_count = float(valid[1].sum()) if case['pad'] else router_count
-            _, w_mtp_aux = objective_weights(
-                case['per_token'], count, mtp_router_count, step_count, dp, mbs, cp, cp_counts
+    gaux = _GlobalAux(module, config, valid) if len(lb) < len(case['lb']) else None
+    # Microbatch m of every DP rank (U_m) forward, then each of them backward: the global aux
+    # loss of U_m counts the tokens of all of them. The aux-loss and MTP scales are read in the
+    # backward.
+    for m in range(mbs):
+        passes = []
+        for tokens, labels, mask in batches[m::mbs]:
+            valid[:] = (
+                [(mask != 0).t().reshape(-1), _mtp_valid(mask, case['mtp_last_padded'])]
+                if case['pad']
+                else [None]
             )
-            mtp_router_factor = w_mtp_aux / w_aux
-        with _mtp_router_losses_scaled(module, mtp_router_factor):
-            out = _forward(module, case, tokens, labels, mask)
-        (out * mask.to(out.dtype) * w_main).sum().backward()
+            count = float(mask.sum())
+            router_count = count if case['pad'] else float(mask.numel())
+            cp = case['cp']
+            cp_counts = None
+            if cp > 1:
+                owner = moe_oracle_cp.owner(cp, SEQ)
+                per_rank = torch.stack([mask[:, owner == r].sum() for r in range(cp)])
+                cp_counts = per_rank[owner].to(dtype).expand(MBS, SEQ)
+            w_main, w_aux = objective_weights(
+                case['per_token'], count, router_count, step_count, dp, mbs, cp, cp_counts
+            )
+            mtp_router_factor = 1.0
+            w_mtp = None
+            if case['mtp']:
+                mtp_count = float(_mtp_mask(mask).sum())
+                w_mtp = mtp_weight(
+                    case['per_token'], mtp_count, mtp_step_count, step_count, dp, mbs
+                )
+                # The MTP routers count their own tokens, the padding mask rolled left by one:
+                # its last position padded on dev (a sequence's first valid token drops out of
+                # the count), valid on the releases (as many tokens as the decoder's routers).
+                mtp_router_count = float(valid[1].sum()) if case['pad'] else router_count
+                _, w_mtp_aux = objective_weights(
+                    case['per_token'], count, mtp_router_count, step_count, dp, mbs, cp, cp_counts
+                )
+                mtp_router_factor = w_mtp_aux / w_aux
+            with _mtp_router_losses_scaled(module, mtp_router_factor):
+                out = _forward(module, case, tokens, labels, mask)
+            objective = (out * mask.to(out.dtype) * w_main).sum()
+            passes.append((objective, w_aux, w_mtp, gaux.take() if gaux else None))
+        terms = [0.0] * len(passes)
+        if gaux is not None:
+            terms = gaux.terms([p[-1] for p in passes], case['per_token'], step_count, mbs)
+        for (objective, w_aux, w_mtp, _), term in zip(passes, terms):
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(w_aux, dtype=dtype))
+            if w_mtp is not None:
+                MTPLossAutoScaler.set_loss_scale(torch.tensor(w_mtp, dtype=dtype))
+            (objective + term).backward()
+    if gaux is not None:
+        gaux.remove()
     grads = {p: p.grad for p in module.parameters() if p.grad is not None}
     res = {'grads': grads_by_key(module, grads)}
     # The tokens per expert of the step: each router's routing map over the valid tokens
