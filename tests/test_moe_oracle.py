@@ -2,11 +2,13 @@
 equals the FP64 gradient of the same model and global batch in one process.
 
 tests/scenarios/moe_oracle.py runs upstream's GPTModel (local spec, 4 local SwiGLU experts top-2,
-a shared expert, expert bias, aux + seq aux (+ global aux where the dense DP size is 1) losses,
-z-loss, MTP depth 1 in some cases) through the real schedule (2 microbatches, uneven valid
-tokens), megatron DDP (distributed optimizer on and off) and finalize_model_grads on CPU ranks.
-The oracle is the same model at TP = EP = PP = CP = 1 in one process, float64, with the
-objective of ``objective_weights`` / ``mtp_weight`` (tests/scenarios/moe_oracle.py); the bound of
+a shared expert, expert bias, aux + seq aux + global aux losses, z-loss, MTP depth 1 in some
+cases) through the real schedule (2 microbatches, uneven valid tokens), megatron DDP (distributed
+optimizer on and off) and finalize_model_grads on CPU ranks. The oracle is the same model at
+TP = EP = PP = CP = 1 in one process, float64, with the objective of ``objective_weights`` /
+``mtp_weight`` (tests/scenarios/moe_oracle.py) and the global aux loss of its definition at any
+DP size (docs/moe-gradients.md, section 10: one loss of the global batch per microbatch index m,
+f over every DP rank's microbatches 0..m); the bound of
 each parameter comes from the same one-process run in float32: 8x its distance from float64 plus
 16 float32 eps of the largest element. The MoE metrics that the tracker's ``report()`` logs (as a
 library calls it, per layer) are compared the same way. Model variants (``MODEL_CASES``): linear
@@ -15,6 +17,15 @@ biases at EP = ETP = 1 (candidate 6) and a dense first layer under PP (candidate
 Per tree and base, a case is expected to equal the oracle unless a change of patches/changes.toml
 that it exercises is missing from the tree (``_breaks``); a pristine case is expected to fail
 (an upstream error, or some parameter beyond its bound) exactly where ``_breaks`` names one.
+
+Global aux: the one-process oracle cannot run upstream's global aux loss (its running counts
+would cover the other DP ranks' microbatches one by one), so it runs the model without it and
+writes the loss out from the router's scores and routing, with tests/scenarios/global_aux_loss.py's
+definition (``_GlobalAux`` in tests/scenarios/moe_oracle.py); every DP rank's microbatch m runs
+forward before any of them backward. Without 0053 (``global-aux-loss-definition``) a case misses
+it at DP > 1 (the DP ranks' shares averaged; per-token loss with a padding mask at TP x CP = 1 is
+right there by accident) and wherever a padding mask makes U_0 and U_1 hold different counts of
+valid tokens (f), at DP 1 too.
 
 CP layouts (cp2, cp2ep2, tp2cp2, cp2pp2, cp4): upstream's local DotProductAttention asserts
 CP == 1 (CP attention is Transformer Engine's), so these cases run a stand-in core attention

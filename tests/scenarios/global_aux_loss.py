@@ -22,6 +22,10 @@ mean: J = coeff / (DP M) sum L_{r,m}; per-token: J = coeff * sum (T_{r,m} / N) L
 The ``upstream-*`` variants of the reference model what upstream computes (the tests pin the
 pristine arm to them): f normalised by the current microbatch's count only, and each rank's
 share of the global loss averaged over DP instead of summed.
+
+The definition's helpers (:func:`scores_and_routing`, :func:`running_fractions`,
+:func:`loss_share`, :func:`objective_weight`) are also the MoE oracle's global aux loss
+(tests/scenarios/moe_oracle.py, a whole GPT's routers in every parallel layout).
 """
 
 import torch

@@ -14,9 +14,11 @@ gradients) and the expert-bias update with the tokens per expert it used.
 :func:`scenario_reference` (a world of one rank) computes the same model and global batch at
 TP = EP = PP = CP = 1 with plain autograd, float64 (and float32, for the bound), microbatch by
 microbatch, with the weights of each term set by :func:`objective_weights` (main loss, aux
-losses) and :func:`mtp_weight` (the MTP term) instead of upstream's per-token rescales. Every
-weight is set from the global key of the parameter (:func:`_init_value`), so both runs start
-from the same numbers.
+losses) and :func:`mtp_weight` (the MTP term) instead of upstream's per-token rescales. The
+global aux loss is not upstream's there: :class:`_GlobalAux` writes it out from its definition
+(tests/scenarios/global_aux_loss.py), microbatch m of every DP rank forward before any of them
+backward. Every weight is set from the global key of the parameter (:func:`_init_value`), so
+both runs start from the same numbers.
 """
 
 import contextlib
