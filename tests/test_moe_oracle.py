@@ -243,10 +243,10 @@ def _uneven_microbatches(case):
     """True when U_0, U_1, ... (every DP rank's m-th microbatch) hold different counts of valid
     tokens: upstream's global aux f (the mean count so far over the current microbatch's
     tokens) then misses the definition's (the counts so far over their tokens)."""
+    mbs = oracle.NUM_MICROBATCHES
     counts = {
-        sum(float(oracle.microbatch(r * oracle.NUM_MICROBATCHES + m)[2].sum()) for r in dps)
-        for dps in [range(case['dp'])]
-        for m in range(oracle.NUM_MICROBATCHES)
+        sum(float(oracle.microbatch(r * mbs + m)[2].sum()) for r in range(case['dp']))
+        for m in range(mbs)
     }
     return len(counts) > 1
 
