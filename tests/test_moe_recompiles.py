@@ -41,19 +41,26 @@ STEPS_EP2 = [
     [[0, 0, 9, 1], [0, 0, 10, 0]],
 ]
 
+# The fork's compiled path at every size (SMALL_ELEMENTS 0: the tensors here are far below its
+# default, where the forward functions run eagerly; SMALL_CASES check that).
+_R = MOD + 'scenario_recompiles'
 CASES = {
-    'allgather-4': call(1, FORK, MOD + 'scenario_recompiles', steps=STEPS4),
-    'alltoall-4': call(1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, dispatcher='alltoall'),
-    'allgather-8': call(1, FORK, MOD + 'scenario_recompiles', steps=STEPS8, experts=8),
-    'allgather-ep2': call(2, FORK, MOD + 'scenario_recompiles', steps=STEPS_EP2, ep=2),
-    'quick-geglu': call(
-        1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, activation='quick_geglu'
-    ),
+    'allgather-4': call(1, FORK, _R, steps=STEPS4, small=0),
+    'alltoall-4': call(1, FORK, _R, steps=STEPS4, dispatcher='alltoall', small=0),
+    'allgather-8': call(1, FORK, _R, steps=STEPS8, experts=8, small=0),
+    'allgather-ep2': call(2, FORK, _R, steps=STEPS_EP2, ep=2, small=0),
+    'quick-geglu': call(1, FORK, _R, steps=STEPS4, activation='quick_geglu', small=0),
     # With linear biases (pristine cannot train a MoE layer with biases at EP 1: change 0033).
-    'quick-geglu-bias': call(
-        1, FORK, MOD + 'scenario_recompiles', steps=STEPS4, activation='quick_geglu_bias'
-    ),
+    'quick-geglu-bias': call(1, FORK, _R, steps=STEPS4, activation='quick_geglu_bias', small=0),
 }
+# Small forward calls run eagerly (the fork's default threshold, far above these counts; and a
+# threshold of 6 tokens of the 2 x 16 wide input, which the steps' counts cross both ways).
+SMALL_AT = 6 * 2 * 16
+SMALL_CASES = {
+    'default': call(1, FORK, _R, steps=STEPS4),
+    'threshold': call(1, FORK, _R, steps=STEPS4, small=SMALL_AT),
+}
+CASES.update({f'small-{k}': v for k, v in SMALL_CASES.items()})
 PRISTINE_CASES = {
     'allgather-4': call(1, PRISTINE, MOD + 'scenario_recompiles', steps=STEPS4, reference=False),
     'allgather-ep2': call(
@@ -71,7 +78,13 @@ PRISTINE_CASES = {
 # The weighted squared ReLU, as the grouped experts call it: once a step on a rank's tokens.
 SQUARED_RELU_COUNTS = [6, 5, 1, 0, 9, 2]
 SQUARED_RELU = {
-    tree: call(1, tree, MOD + 'scenario_squared_relu_recompiles', counts=SQUARED_RELU_COUNTS)
+    tree: call(
+        1,
+        tree,
+        MOD + 'scenario_squared_relu_recompiles',
+        counts=SQUARED_RELU_COUNTS,
+        small=0 if tree == FORK else None,
+    )
     for tree in (FORK, PRISTINE)
 }
 
@@ -103,7 +116,7 @@ def test_pristine_recompiles_mid_run(case):
             assert all(n > 0 for n in later.values()), later
 
 
-@pytest.mark.parametrize('case', list(CASES))
+@pytest.mark.parametrize('case', [c for c in CASES if not c.startswith('small-')])
 def test_fork_compiles_once(case):
     """The fork: at most two graphs per function (a probs slice at storage offset 0, and one at a
     symbolic offset), compiled in the first step; none later."""
@@ -112,6 +125,26 @@ def test_fork_compiles_once(case):
         assert len(first) == 2 and set(first.values()) <= {1, 2}, first
         assert set(_later_compiles(res).values()) == {0}, res['steps']
         assert res['graphs'] == first
+
+
+def test_fork_small_forward_calls_eager():
+    """At the default threshold the forward function compiles nothing (every call here is small),
+    the backward as at threshold 0."""
+    [res] = _ranks(SMALL_CASES['default'])
+    assert [s['compiled']['weighted_swiglu'] for s in res['steps']] == [0] * len(STEPS4), res
+    assert res['steps'][0]['compiled']['weighted_swiglu_back'] in (1, 2), res['steps'][0]
+    assert _later_compiles(res)['weighted_swiglu_back'] == 0, res['steps']
+
+
+def test_fork_small_forward_threshold():
+    """A threshold of 6 tokens: the first step (5 tokens an expert) compiles no forward graph;
+    the first expert of 6 or more tokens compiles it (step 2), once or twice (the storage
+    offset), and nothing compiles after that step though later counts cross the threshold both
+    ways."""
+    [res] = _ranks(SMALL_CASES['threshold'])
+    fwd = [s['compiled']['weighted_swiglu'] for s in res['steps']]
+    assert fwd[0] == 0 and fwd[1] in (1, 2) and set(fwd[2:]) == {0}, res['steps']
+    assert _later_compiles(res)['weighted_swiglu_back'] == 0, res['steps']
 
 
 @pytest.mark.parametrize('case', list(CASES))

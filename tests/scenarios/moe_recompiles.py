@@ -139,17 +139,40 @@ def _run(steps, experts, dispatcher, dtype, ep, rank, compiled, activation):
     return per_step, after
 
 
+_SHIPPED = {}  # routed_token_fuser.SMALL_ELEMENTS as the tree ships it
+
+
+def _set_small(small):
+    """The fork's ``routed_token_fuser.SMALL_ELEMENTS`` (below it the experts' forward activations
+    run eagerly) set to ``small``, or to the shipped value (a worker runs several cases)."""
+    try:
+        from megatron.core.fusions import routed_token_fuser
+    except ImportError:  # pristine
+        return
+    _SHIPPED.setdefault('small', routed_token_fuser.SMALL_ELEMENTS)
+    routed_token_fuser.SMALL_ELEMENTS = _SHIPPED['small'] if small is None else small
+
+
 def scenario_recompiles(
-    ctx, steps, experts=4, dispatcher='allgather', ep=1, activation='swiglu', reference=True
+    ctx,
+    steps,
+    experts=4,
+    dispatcher='allgather',
+    ep=1,
+    activation='swiglu',
+    reference=True,
+    small=None,
 ):
     """Run ``steps`` (each a list of per-expert counts, or a list of them per rank) through a MoE
     layer at EP = ``ep`` (the world) with ``activation`` ('swiglu', 'quick_geglu' or
-    'quick_geglu_bias'), compiled; with ``reference``, also float32 and float64 eager. Returns
+    'quick_geglu_bias'), compiled; with ``reference``, also float32 and float64 eager. ``small``:
+    the fork's ``SMALL_ELEMENTS`` (0: every forward call of 2 or more tokens compiled). Returns
     'steps' (per step: counts, graphs compiled per function, grads), 'graphs' (held at the end
     per function), and 'eager32', 'ref64' (per step: grads)."""
     from tests.scenarios.common import init_parallel
 
     init_parallel(ep=ep)
+    _set_small(small)
     torch._dynamo.reset()  # no graph of an earlier call in this world stands in for this one's
     args = (experts, dispatcher)
     per_step, graphs = _run(steps, *args, torch.float32, ep, ctx.rank, True, activation)
@@ -161,12 +184,13 @@ def scenario_recompiles(
     return res
 
 
-def scenario_squared_relu_recompiles(ctx, counts):
+def scenario_squared_relu_recompiles(ctx, counts, small=None):
     """The weighted squared ReLU as the grouped experts call it (once per step on all the tokens
     a rank received; only the grouped path uses it, which needs Transformer Engine): per step
     the graphs compiled, and the largest difference of output and grads from eager."""
     from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
 
+    _set_small(small)
     torch._dynamo.reset()
     per_step, before = [], _graphs('squared_relu')
     for n in counts:

@@ -19,6 +19,8 @@ machine's drift reaches every arm alike:
   ``swiglu_back``) eager: the activations as the ``eager`` arm runs them;
 - ``actfwd-eager`` / ``actbwd-eager``: only the activations' forward / backward functions eager;
 - ``only:NAME+NAME`` / ``except:NAME+NAME``: only those eager / all but those eager;
+- ``small:N``: the fork's ``routed_token_fuser.SMALL_ELEMENTS`` set to N for the step (``small:0``:
+  the experts' forward activations compiled at every size);
 - ``noguard``: as ``compiled``, under ``set_stance(skip_guard_eval_unsafe=True)`` (what dynamo's
   guard checks cost per call; not a mode to ship).
 
@@ -177,9 +179,21 @@ def main():
     gen = torch.Generator().manual_seed(1234)
     positions = torch.arange(2048, device='cuda').unsqueeze(0)
 
+    try:
+        from megatron.core.fusions import routed_token_fuser as rtf
+    except ImportError:  # pristine
+        rtf = None
+    small = getattr(rtf, 'SMALL_ELEMENTS', None)
+
     def step(arm):
         _EAGER.clear()
-        if arm.startswith('only:'):  # only:NAME+NAME eager
+        # small:N: the fork's routed_token_fuser with SMALL_ELEMENTS = N (small:0: every call of
+        # 2 or more tokens compiled, as before change 0049 ran small forward calls eagerly)
+        if small is not None:
+            rtf.SMALL_ELEMENTS = int(arm[6:]) if arm.startswith('small:') else small
+        if arm.startswith('small:'):
+            pass
+        elif arm.startswith('only:'):  # only:NAME+NAME eager
             _EAGER.update(arm[5:].split('+'))
         elif arm.startswith('except:'):  # all eager but NAME+NAME
             _EAGER.update(arms['eager'] - set(arm[7:].split('+')))

@@ -27,6 +27,14 @@ later offset, 1 included, so the slices are passed without a copy.
 
 (``torch._dynamo.decorators.mark_unbacked`` would take 0 and 1 into the graph too, but its
 kernels cannot assume 32-bit indexing, and they ran slower than those of a dynamic count.)
+
+Per call, a compiled function costs host time (dynamo's guards, the compiled graph's wrapper, the
+kernel launch) that a few eager operations do not. A MoE step makes one such call per expert,
+layer and direction, on few tokens each, and is bound by the host. The forward functions, a few
+elementwise operations each, are therefore marked ``eager_if_small``: they run eagerly where their
+first token argument holds fewer than ``SMALL_ELEMENTS`` elements, and compiled above it, where
+the fused kernel's saved memory passes outweigh that cost. The backward functions, about a dozen
+operations eagerly, stay compiled at every size.
 """
 
 import functools
@@ -53,10 +61,16 @@ def _routed(arg):
     return arg
 
 
-def routed_token_fuser(*token_args):
+# A forward function decorated with ``eager_if_small=True`` runs eagerly on fewer elements than
+# this in its first token argument (1 << 24: 2048 tokens of a 4096-wide SwiGLU input).
+SMALL_ELEMENTS = 1 << 24
+
+
+def routed_token_fuser(*token_args, eager_if_small=False):
     """Decorator: ``jit_fuser`` with dimension 0 of the arguments named ``token_args`` marked as a
     data-dependent token count where they are passed by position (as every caller in megatron
-    does); calls with fewer than 2 tokens run eagerly.
+    does); calls with fewer than 2 tokens run eagerly, and so do calls with fewer than
+    ``SMALL_ELEMENTS`` elements in the first token argument where ``eager_if_small`` is set.
 
     Where ``jit_fuser`` is not ``torch.compile`` (older torch: TorchScript; or a no-op), or torch
     has no ``torch.compiler.set_stance``, the function is decorated by ``jit_fuser`` alone.
@@ -73,9 +87,14 @@ def routed_token_fuser(*token_args):
             if torch.compiler.is_compiling():
                 return compiled(*args, **kwargs)
             tokens = [args[i] for i in positions if i < len(args)]
-            if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) < 2 for t in tokens):
+            tokens = [t for t in tokens if isinstance(t, torch.Tensor) and t.dim() > 0]
+            if any(t.size(0) < 2 for t in tokens) or (
+                eager_if_small and tokens and tokens[0].numel() < SMALL_ELEMENTS
+            ):
+                # fn itself, not its compiled wrapper; the stance keeps the compiled functions
+                # it calls (swiglu) eager too.
                 with torch.compiler.set_stance('force_eager'):
-                    return compiled(*args, **kwargs)
+                    return fn(*args, **kwargs)
             args = [_routed(a) if i in positions else a for i, a in enumerate(args)]
             return compiled(*args, **kwargs)
 

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from megatron.core import jit
-from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.fusions import fused_bias_swiglu, routed_token_fuser
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
 # Per-expert token counts of successive steps, as SequentialMLP splits them: every count >= 2
@@ -26,7 +26,7 @@ class TestWeightedSwiGLURecompiles:
     with the data. torch.compile used to compile a static graph first, a dynamic one on the
     second count, and own graphs for counts and probs offsets of 0 and 1, so MoE runs kept
     recompiling mid-run until the recompile limit sent the rest to eager. The graphs of the
-    first step now serve every later count."""
+    first step now serve every later count; forward calls under SMALL_ELEMENTS run eagerly."""
 
     def setup_method(self, method):
         torch._dynamo.reset()
@@ -47,19 +47,36 @@ class TestWeightedSwiGLURecompiles:
         torch.cat(outs).float().pow(2).sum().backward()
         return hidden.grad, probs.grad, outs
 
-    def test_one_graph_for_every_token_count(self):
+    def _compiled_per_step(self):
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
         compiled = []
         for counts in STEPS:
             before = {n: _graphs(n) for n in ('weighted_swiglu', 'weighted_swiglu_back')}
             self._step(counts, device)
             compiled.append({n: _graphs(n) - before[n] for n in before})
+        return compiled
+
+    def test_one_graph_for_every_token_count(self, monkeypatch):
+        # every forward call compiled, however few its elements
+        monkeypatch.setattr(routed_token_fuser, 'SMALL_ELEMENTS', 0)
+        compiled = self._compiled_per_step()
         # the first step: a graph per direction, and at most one more for the probs slices that
         # start inside their storage (a symbolic storage offset)
         assert all(n in (1, 2) for n in compiled[0].values()), compiled[0]
         assert compiled[1:] == [{'weighted_swiglu': 0, 'weighted_swiglu_back': 0}] * 5
 
-    def test_matches_eager(self):
+    def test_small_forward_calls_run_eagerly(self):
+        # these calls hold far fewer elements than SMALL_ELEMENTS: the forward compiles nothing,
+        # the backward as above
+        compiled = self._compiled_per_step()
+        assert [c['weighted_swiglu'] for c in compiled] == [0] * len(STEPS), compiled
+        assert compiled[0]['weighted_swiglu_back'] in (1, 2), compiled[0]
+        assert [c['weighted_swiglu_back'] for c in compiled[1:]] == [0] * 5, compiled
+
+    @pytest.mark.parametrize('small', [None, 0])
+    def test_matches_eager(self, small, monkeypatch):
+        if small is not None:  # the forward compiled too
+            monkeypatch.setattr(routed_token_fuser, 'SMALL_ELEMENTS', small)
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
         for counts in STEPS:
             got = self._step(counts, device)
