@@ -6,7 +6,10 @@ CPU ranks, compiled by ``jit_fuser`` (``torch.compile``, inductor for the CPU) a
 steps' per-expert token counts are set through the routing (tests/scenarios/moe_recompiles.py).
 Counterfactual: pristine compiles new graphs of ``weighted_swiglu`` and ``weighted_swiglu_back``
 in later steps (a count of 1 or 0, a probs slice at offset 1); the fork compiles one graph of
-each in the first step and none after. No timing is read.
+each in the first step and none after. No timing is read. The fork's forward functions run
+eagerly below ``routed_token_fuser.SMALL_ELEMENTS`` elements (far above these tensors): the cases
+above run at threshold 0 (every call compiled), ``SMALL_CASES`` at the shipped threshold and at one
+that the steps' counts cross both ways.
 
 The gradients of the compiled run equal the float64 eager reference within a few times the
 distance of float32 eager from it (the MoE oracle's bound, taken from the same run).
