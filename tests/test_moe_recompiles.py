@@ -137,6 +137,8 @@ def test_fork_small_forward_calls_eager():
     assert [s['compiled']['weighted_swiglu'] for s in res['steps']] == [0] * len(STEPS4), res
     assert res['steps'][0]['compiled']['weighted_swiglu_back'] in (1, 2), res['steps'][0]
     assert _later_compiles(res)['weighted_swiglu_back'] == 0, res['steps']
+    # the eager forward runs the swiglu it calls eagerly too
+    assert res['nested'] == {'swiglu': 0, 'swiglu_back': 0}, res['nested']
 
 
 def test_fork_small_forward_threshold():

@@ -95,6 +95,19 @@ def _graphs(activation):
     }
 
 
+def _nested_graphs():
+    """Graphs of their own of ``swiglu`` and ``swiglu_back``, which the weighted SwiGLU functions
+    call: inlined where those compile, eager where they run eagerly, so none."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from megatron.core.fusions import fused_bias_swiglu
+
+    return {
+        name: len(_debug_get_cache_entry_list(inspect.unwrap(getattr(fused_bias_swiglu, name))))
+        for name in ('swiglu', 'swiglu_back')
+    }
+
+
 def _build(experts, dispatcher, dtype, ep, activation):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -176,7 +189,7 @@ def scenario_recompiles(
     torch._dynamo.reset()  # no graph of an earlier call in this world stands in for this one's
     args = (experts, dispatcher)
     per_step, graphs = _run(steps, *args, torch.float32, ep, ctx.rank, True, activation)
-    res = {'steps': per_step, 'graphs': graphs}
+    res = {'steps': per_step, 'graphs': graphs, 'nested': _nested_graphs()}
     if reference:
         for key, dtype in (('eager32', torch.float32), ('ref64', torch.float64)):
             eager, _ = _run(steps, *args, dtype, ep, ctx.rank, False, activation)
