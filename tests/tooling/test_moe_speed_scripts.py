@@ -224,6 +224,11 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import moe_step_bench as b
 from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401  (imports the fused functions)
+try:  # the fork runs small forward calls eagerly: compile them here
+    from megatron.core.fusions import routed_token_fuser
+    routed_token_fuser.SMALL_ELEMENTS = 0
+except ImportError:
+    pass
 from megatron.core.transformer.moe import router  # noqa: F401
 from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
 names = b._switch_all()
