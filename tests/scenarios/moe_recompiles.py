@@ -18,6 +18,7 @@ from the same layer and steps in float64 with the fused functions run eagerly (t
 float32 eager (the rounding bound).
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -152,18 +153,22 @@ def _run(steps, experts, dispatcher, dtype, ep, rank, compiled, activation):
     return per_step, after
 
 
-_SHIPPED = {}  # routed_token_fuser.SMALL_ELEMENTS as the tree ships it
-
-
-def _set_small(small):
+@contextlib.contextmanager
+def _small(small):
     """The fork's ``routed_token_fuser.SMALL_ELEMENTS`` (below it the experts' forward activations
-    run eagerly) set to ``small``, or to the shipped value (a worker runs several cases)."""
+    run eagerly) set to ``small`` where given, and put back after: a worker runs the cases of
+    other files after this one."""
     try:
         from megatron.core.fusions import routed_token_fuser
     except ImportError:  # pristine
+        yield
         return
-    _SHIPPED.setdefault('small', routed_token_fuser.SMALL_ELEMENTS)
-    routed_token_fuser.SMALL_ELEMENTS = _SHIPPED['small'] if small is None else small
+    shipped = routed_token_fuser.SMALL_ELEMENTS
+    routed_token_fuser.SMALL_ELEMENTS = shipped if small is None else small
+    try:
+        yield
+    finally:
+        routed_token_fuser.SMALL_ELEMENTS = shipped
 
 
 def scenario_recompiles(
@@ -185,10 +190,10 @@ def scenario_recompiles(
     from tests.scenarios.common import init_parallel
 
     init_parallel(ep=ep)
-    _set_small(small)
     torch._dynamo.reset()  # no graph of an earlier call in this world stands in for this one's
     args = (experts, dispatcher)
-    per_step, graphs = _run(steps, *args, torch.float32, ep, ctx.rank, True, activation)
+    with _small(small):
+        per_step, graphs = _run(steps, *args, torch.float32, ep, ctx.rank, True, activation)
     res = {'steps': per_step, 'graphs': graphs, 'nested': _nested_graphs()}
     if reference:
         for key, dtype in (('eager32', torch.float32), ('ref64', torch.float64)):
@@ -201,9 +206,13 @@ def scenario_squared_relu_recompiles(ctx, counts, small=None):
     """The weighted squared ReLU as the grouped experts call it (once per step on all the tokens
     a rank received; only the grouped path uses it, which needs Transformer Engine): per step
     the graphs compiled, and the largest difference of output and grads from eager."""
+    with _small(small):
+        return _squared_relu_steps(counts)
+
+
+def _squared_relu_steps(counts):
     from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
 
-    _set_small(small)
     torch._dynamo.reset()
     per_step, before = [], _graphs('squared_relu')
     for n in counts:
