@@ -35,6 +35,11 @@ elementwise operations each, are therefore marked ``eager_if_small``: they run e
 first token argument holds fewer than ``SMALL_ELEMENTS`` elements, and compiled above it, where
 the fused kernel's saved memory passes outweigh that cost. The backward functions, about a dozen
 operations eagerly, stay compiled at every size.
+
+The same host cost makes ``bias_dropout_add_fused_train`` (compiled with grad: AOTAutograd's
+wrapper in the forward and in the backward) slower than its few eager operations in a MoE layer,
+where the step waits on the host. ``moe_bias_dropout_add`` gives a MoE layer the unfused function
+below ``SMALL_ELEMENTS`` elements of the residual; dense layers keep the fused one.
 """
 
 import functools
@@ -43,6 +48,7 @@ import inspect
 import torch
 
 from megatron.core import jit
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 
 def _routed(arg):
@@ -101,3 +107,29 @@ def routed_token_fuser(*token_args, eager_if_small=False):
         return call
 
     return decorate
+
+
+def moe_bias_dropout_add(get_bda):
+    """A MoE layer's bias-dropout-add getter (``get_bda(training, fused)``, as the layer calls
+    ``self.mlp_bda``): where ``get_bda`` is ``get_bias_dropout_add`` and the fused function is
+    ``torch.compile``d, the fused function returned runs the unfused one on a residual of fewer
+    than ``SMALL_ELEMENTS`` elements. Any other getter is returned as it is.
+    """
+    if get_bda is not get_bias_dropout_add or jit.jit_fuser is not torch.compile:
+        return get_bda
+
+    @functools.wraps(get_bda)
+    def get(training, fused):
+        bda = get_bda(training, fused)
+        if not fused:
+            return bda
+        unfused = get_bda(training, False)
+
+        def call(x_with_bias, residual, prob):
+            if residual.numel() < SMALL_ELEMENTS and not torch.compiler.is_compiling():
+                return unfused(x_with_bias, residual, prob)
+            return bda(x_with_bias, residual, prob)
+
+        return call
+
+    return get

@@ -1,0 +1,106 @@
+"""Issue 38: which transformer layers compile ``bias_dropout_add_fused_train``.
+
+One upstream ``TransformerLayer`` (local spec, ``bias_dropout_fusion`` on, hidden dropout 0.1),
+with a MoE MLP (four ``SequentialMLP`` experts, top-2) or a dense one, runs forward and backward
+for a few steps on a CPU rank, compiled by ``jit_fuser`` as on a GPU. The scenario reads how many
+graphs dynamo holds for the fused function after the steps, and the layer's output and input grad
+with dropout off, against the same layer with every fused function eager.
+"""
+
+import contextlib
+import inspect
+
+import torch
+
+SEED = 38039
+
+
+def _graphs():
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from megatron.core.fusions import fused_bias_dropout
+
+    fn = inspect.unwrap(fused_bias_dropout.bias_dropout_add_fused_train)
+    return len(_debug_get_cache_entry_list(fn))
+
+
+@contextlib.contextmanager
+def _small(small):
+    """The fork's ``routed_token_fuser.SMALL_ELEMENTS`` set to ``small`` where given, put back
+    after (a worker runs other files' cases next)."""
+    try:
+        from megatron.core.fusions import routed_token_fuser
+    except ImportError:  # pristine
+        yield None
+        return
+    shipped = routed_token_fuser.SMALL_ELEMENTS
+    routed_token_fuser.SMALL_ELEMENTS = shipped if small is None else small
+    try:
+        yield routed_token_fuser.SMALL_ELEMENTS
+    finally:
+        routed_token_fuser.SMALL_ELEMENTS = shipped
+
+
+def _layer(experts, dropout):
+    import torch.nn.functional as F
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_router_topk=2 if experts else None,
+        moe_router_load_balancing_type='none',
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        hidden_dropout=dropout,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    torch.manual_seed(SEED)
+    return build_module(spec, config=config, layer_number=1)
+
+
+def _step(layer, seed, eager):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 1, 8, generator=gen).requires_grad_()
+    with torch.compiler.set_stance('force_eager') if eager else contextlib.nullcontext():
+        out, _ = layer(x, attention_mask=None)
+        out.pow(2).sum().backward()
+    return out.detach(), x.grad
+
+
+def scenario_bda_graphs(ctx, experts, small=None, steps=2):
+    """Graphs of ``bias_dropout_add_fused_train`` after ``steps`` training steps of one layer
+    (``experts`` 0: dense), at the fork's ``SMALL_ELEMENTS`` = ``small`` where given; and the
+    largest difference of the output and the input grad from the eager layer (dropout 0)."""
+    from megatron.core import tensor_parallel
+    from tests.scenarios.common import init_parallel
+
+    init_parallel()
+    torch._dynamo.reset()
+    # Attention's dropout forks the CUDA RNG tracker, which has no state on a CPU rank: a no-op
+    # (attention dropout is 0 in these layers).
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    with _small(small) as threshold:
+        layer = _layer(experts or None, 0.1)
+        for step in range(steps):
+            _step(layer, SEED + step, eager=False)
+        graphs = _graphs()
+        layer = _layer(experts or None, 0.0)
+        compiled = _step(layer, SEED, eager=False)
+        eager = _step(layer, SEED, eager=True)
+    del tracker.fork
+    diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled, eager))
+    return {'graphs': graphs, 'diff': diff, 'small_elements': threshold}

@@ -1,0 +1,49 @@
+"""Issue 38 / change ``moe-routed-token-count-dynamic``: a MoE layer runs its bias-dropout-add
+eagerly on small inputs; a dense layer keeps the compiled fused function.
+
+A MoE step waits on the host, and the compiled ``bias_dropout_add_fused_train`` (a dynamo entry
+and AOTAutograd's wrapper, forward and backward) costs more host time there than its few eager
+operations. Counterfactual, no timing read (tests/scenarios/moe_layer_bda.py): pristine compiles
+the fused function in a MoE layer; the fork compiles none below ``SMALL_ELEMENTS`` (far above
+these tensors) and compiles it again at threshold 0. A dense layer compiles it on both trees. The
+layer's output and input grad equal the eager layer's either way (dropout off).
+"""
+
+import pytest
+
+from tests.harness import call
+from tests.harness.bases import FORK, PRISTINE, tree_has_fix
+
+MOD = 'tests.scenarios.moe_layer_bda:scenario_bda_graphs'
+CHANGE = 'moe-routed-token-count-dynamic'
+CASES = {
+    'pristine-moe': call(1, PRISTINE, MOD, experts=4),
+    'pristine-dense': call(1, PRISTINE, MOD, experts=0),
+    'fork-moe': call(1, FORK, MOD, experts=4),
+    'fork-moe-small-0': call(1, FORK, MOD, experts=4, small=0),
+    'fork-dense': call(1, FORK, MOD, experts=0),
+}
+
+
+def _result(case):
+    [res] = CASES[case].result()
+    assert 'error' not in res, res['error']
+    return res
+
+
+@pytest.mark.parametrize('case', ['pristine-moe', 'pristine-dense', 'fork-moe-small-0', 'fork-dense'])
+def test_compiled_where_upstream_compiles(case):
+    if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
+        pytest.skip(f'{CHANGE} is not in the fork tree')
+    res = _result(case)
+    assert res['graphs'] >= 1, res
+    assert res['diff'] < 1e-5, res
+
+
+def test_fork_moe_layer_runs_bda_eagerly():
+    if not tree_has_fix(FORK, CHANGE):
+        pytest.skip(f'{CHANGE} is not in the fork tree')
+    res = _result('fork-moe')
+    assert res['small_elements'] == 1 << 24, res
+    assert res['graphs'] == 0, res
+    assert res['diff'] < 1e-5, res
