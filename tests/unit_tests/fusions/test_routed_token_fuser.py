@@ -7,8 +7,9 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from megatron.core import jit
-from megatron.core.fusions import fused_bias_swiglu, routed_token_fuser
+from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu, routed_token_fuser
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.transformer.identity_op import IdentityFuncOp
 
 # Per-expert token counts of successive steps, as SequentialMLP splits them: every count >= 2
 # first, then an expert with one token, one with none, and the probs slice of the second expert
@@ -85,3 +86,39 @@ class TestWeightedSwiGLURecompiles:
             torch.testing.assert_close(got[0], want[0])
             torch.testing.assert_close(got[1], want[1])
             torch.testing.assert_close(torch.cat(got[2]), torch.cat(want[2]))
+
+
+@pytest.mark.skipif(jit.jit_fuser is not torch.compile, reason="jit_fuser is not torch.compile")
+class TestMoEBiasDropoutAdd:
+    """A MoE layer's step waits on the host: its bias-dropout-add runs unfused below
+    SMALL_ELEMENTS elements of the residual, compiled above it; dense layers are not wrapped."""
+
+    def setup_method(self, method):
+        torch._dynamo.reset()
+
+    def teardown_method(self, method):
+        torch._dynamo.reset()
+
+    def _graphs(self):
+        fn = inspect.unwrap(fused_bias_dropout.bias_dropout_add_fused_train)
+        return len(_debug_get_cache_entry_list(fn))
+
+    def _run(self, get_bda):
+        gen = torch.Generator().manual_seed(49)
+        x, residual = (torch.randn(6, 1, 8, generator=gen).requires_grad_() for _ in range(2))
+        out = get_bda(True, True)((x, None), residual, 0.0)
+        out.pow(2).sum().backward()
+        return out, x.grad, residual.grad
+
+    def test_small_calls_run_unfused(self, monkeypatch):
+        get_bda = routed_token_fuser.moe_bias_dropout_add(fused_bias_dropout.get_bias_dropout_add)
+        got = self._run(get_bda)
+        assert self._graphs() == 0
+        monkeypatch.setattr(routed_token_fuser, 'SMALL_ELEMENTS', 0)
+        want = self._run(get_bda)
+        assert self._graphs() == 1
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+    def test_other_getters_unchanged(self):
+        assert routed_token_fuser.moe_bias_dropout_add(IdentityFuncOp) is IdentityFuncOp
