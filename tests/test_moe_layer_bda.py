@@ -31,7 +31,9 @@ def _result(case):
     return res
 
 
-@pytest.mark.parametrize('case', ['pristine-moe', 'pristine-dense', 'fork-moe-small-0', 'fork-dense'])
+@pytest.mark.parametrize(
+    'case', ['pristine-moe', 'pristine-dense', 'fork-moe-small-0', 'fork-dense']
+)
 def test_compiled_where_upstream_compiles(case):
     if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
         pytest.skip(f'{CHANGE} is not in the fork tree')
