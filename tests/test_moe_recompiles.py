@@ -9,7 +9,9 @@ in later steps (a count of 1 or 0, a probs slice at offset 1); the fork compiles
 each in the first step and none after. No timing is read. The fork's forward functions run
 eagerly below ``routed_token_fuser.SMALL_ELEMENTS`` elements (far above these tensors): the cases
 above run at threshold 0 (every call compiled), ``SMALL_CASES`` at the shipped threshold and at one
-that the steps' counts cross both ways.
+that the steps' counts cross both ways (SwiGLU and quick-GeGLU; the squared ReLU in
+``SQUARED_RELU_SMALL``). The shipped threshold is pinned (1 << 24), and a case that sets it puts
+the value back (the worker runs the cases of other files next).
 
 The gradients of the compiled run equal the float64 eager reference within a few times the
 distance of float32 eager from it (the MoE oracle's bound, taken from the same run).
@@ -57,11 +59,15 @@ CASES = {
     'quick-geglu-bias': call(1, FORK, _R, steps=STEPS4, activation='quick_geglu_bias', small=0),
 }
 # Small forward calls run eagerly (the fork's default threshold, far above these counts; and a
-# threshold of 6 tokens of the 2 x 16 wide input, which the steps' counts cross both ways).
+# threshold of 6 tokens of the 2 x 16 wide input, which the steps' counts cross both ways, for
+# SwiGLU and for quick-GeGLU).
 SMALL_AT = 6 * 2 * 16
 SMALL_CASES = {
     'default': call(1, FORK, _R, steps=STEPS4),
     'threshold': call(1, FORK, _R, steps=STEPS4, small=SMALL_AT),
+    'threshold-quick-geglu': call(
+        1, FORK, _R, steps=STEPS4, activation='quick_geglu', small=SMALL_AT
+    ),
 }
 CASES.update({f'small-{k}': v for k, v in SMALL_CASES.items()})
 PRISTINE_CASES = {
@@ -90,6 +96,25 @@ SQUARED_RELU = {
     )
     for tree in (FORK, PRISTINE)
 }
+# The squared ReLU at a threshold of 6 tokens of its 16 wide input: below it in the first step,
+# above it in the second, then crossed both ways (1 and 0 tokens, 9, 2, exactly 6, 5).
+SQUARED_RELU_SMALL = call(
+    1, FORK, MOD + 'scenario_squared_relu_recompiles', counts=[5, 7, 1, 0, 9, 2, 6, 5], small=6 * 16
+)
+# Per activation: the case whose counts cross its threshold, and its forward and backward functions.
+THRESHOLD_CASES = {
+    'swiglu': (SMALL_CASES['threshold'], 'weighted_swiglu', 'weighted_swiglu_back'),
+    'quick_geglu': (
+        SMALL_CASES['threshold-quick-geglu'],
+        'weighted_quick_geglu',
+        'weighted_quick_geglu_back',
+    ),
+    'squared_relu': (SQUARED_RELU_SMALL, 'weighted_squared_relu', 'weighted_squared_relu_back'),
+}
+# SMALL_ELEMENTS around three cases that set it, each at a threshold of its own (RESTORE_AT, + 1,
+# + 2): a case that left its threshold behind would leave another value than it found.
+RESTORE_AT = 3 * 2 * 16
+SMALL_ELEMENTS = call(1, FORK, MOD + 'scenario_small_elements', small=RESTORE_AT)
 
 
 def _ranks(handle):
@@ -141,15 +166,37 @@ def test_fork_small_forward_calls_eager():
     assert res['nested'] == {'swiglu': 0, 'swiglu_back': 0}, res['nested']
 
 
-def test_fork_small_forward_threshold():
-    """A threshold of 6 tokens: the first step (5 tokens an expert) compiles no forward graph;
-    the first expert of 6 or more tokens compiles it (step 2), once or twice (the storage
+@pytest.mark.parametrize('activation', list(THRESHOLD_CASES))
+def test_fork_small_forward_threshold(activation):
+    """A threshold of 6 tokens: the first step (5 tokens an expert, or a rank) compiles no forward
+    graph; the first call of 6 or more tokens compiles it (step 2), once or twice (the storage
     offset), and nothing compiles after that step though later counts cross the threshold both
     ways."""
-    [res] = _ranks(SMALL_CASES['threshold'])
-    fwd = [s['compiled']['weighted_swiglu'] for s in res['steps']]
+    handle, forward, backward = THRESHOLD_CASES[activation]
+    [res] = _ranks(handle)
+    fwd = [s['compiled'][forward] for s in res['steps']]
     assert fwd[0] == 0 and fwd[1] in (1, 2) and set(fwd[2:]) == {0}, res['steps']
-    assert _later_compiles(res)['weighted_swiglu_back'] == 0, res['steps']
+    assert _later_compiles(res)[backward] == 0, res['steps']
+
+
+def test_fork_small_elements_shipped():
+    """The fork ships SMALL_ELEMENTS = 1 << 24 (2048 tokens of a 4096-wide SwiGLU input), read in
+    the fork tree by a worker that ran the cases above first (a value one of them left behind
+    fails here too)."""
+    [res] = _ranks(SMALL_ELEMENTS)
+    assert res['shipped'] == 1 << 24, res
+
+
+def test_fork_small_elements_restored():
+    """A case that sets SMALL_ELEMENTS runs at that threshold and puts back the value it found,
+    also where it raises: the worker runs the cases of other files next."""
+    [res] = _ranks(SMALL_ELEMENTS)
+    cases = res['cases']
+    assert list(cases) == ['recompiles', 'squared_relu', 'raised'], res
+    assert 'error' in cases['raised'], res
+    during = [cases[c].get('during') for c in ('recompiles', 'squared_relu')]
+    assert during == [RESTORE_AT, RESTORE_AT + 1], res
+    assert all(seen['after'] == seen['before'] for seen in cases.values()), res
 
 
 @pytest.mark.parametrize('case', list(CASES))

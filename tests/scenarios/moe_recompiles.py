@@ -153,6 +153,15 @@ def _run(steps, experts, dispatcher, dtype, ep, rank, compiled, activation):
     return per_step, after
 
 
+def _small_elements():
+    """The fork's ``routed_token_fuser.SMALL_ELEMENTS`` as it stands (None on pristine)."""
+    try:
+        from megatron.core.fusions import routed_token_fuser
+    except ImportError:  # pristine
+        return None
+    return routed_token_fuser.SMALL_ELEMENTS
+
+
 @contextlib.contextmanager
 def _small(small):
     """The fork's ``routed_token_fuser.SMALL_ELEMENTS`` (below it the experts' forward activations
@@ -186,7 +195,8 @@ def scenario_recompiles(
     'quick_geglu_bias'), compiled; with ``reference``, also float32 and float64 eager. ``small``:
     the fork's ``SMALL_ELEMENTS`` (0: every forward call of 2 or more tokens compiled). Returns
     'steps' (per step: counts, graphs compiled per function, grads), 'graphs' (held at the end
-    per function), and 'eager32', 'ref64' (per step: grads)."""
+    per function), 'small_elements' (the threshold the compiled run saw), and 'eager32', 'ref64'
+    (per step: grads)."""
     from tests.scenarios.common import init_parallel
 
     init_parallel(ep=ep)
@@ -194,7 +204,13 @@ def scenario_recompiles(
     args = (experts, dispatcher)
     with _small(small):
         per_step, graphs = _run(steps, *args, torch.float32, ep, ctx.rank, True, activation)
-    res = {'steps': per_step, 'graphs': graphs, 'nested': _nested_graphs()}
+        threshold = _small_elements()
+    res = {
+        'steps': per_step,
+        'graphs': graphs,
+        'nested': _nested_graphs(),
+        'small_elements': threshold,
+    }
     if reference:
         for key, dtype in (('eager32', torch.float32), ('ref64', torch.float64)):
             eager, _ = _run(steps, *args, dtype, ep, ctx.rank, False, activation)
@@ -205,9 +221,38 @@ def scenario_recompiles(
 def scenario_squared_relu_recompiles(ctx, counts, small=None):
     """The weighted squared ReLU as the grouped experts call it (once per step on all the tokens
     a rank received; only the grouped path uses it, which needs Transformer Engine): per step
-    the graphs compiled, and the largest difference of output and grads from eager."""
+    the graphs compiled, and the largest difference of output and grads from eager; and
+    'small_elements', the threshold the steps saw."""
     with _small(small):
-        return _squared_relu_steps(counts)
+        return dict(_squared_relu_steps(counts), small_elements=_small_elements())
+
+
+def scenario_small_elements(ctx, small):
+    """The fork's ``SMALL_ELEMENTS`` as this call finds it ('shipped'; a value that an earlier
+    case of this worker left behind shows here), and around cases of the scenarios above that
+    set it (the MoE layer's, the squared ReLU's, and a squared ReLU case that raises), each at a
+    threshold of its own (``small``, ``small + 1``, ``small + 2``): the value it found
+    ('before'), ran at ('during'; 'error' for the one that raises) and left ('after'). A case that
+    leaves its threshold behind thus leaves another value than it found, whatever ran before.
+    Every case is one token an expert or none, which runs eagerly at any threshold: nothing
+    compiles."""
+
+    def around(threshold, case, **kwargs):
+        seen = {'before': _small_elements()}
+        try:
+            seen['during'] = case(ctx, small=threshold, **kwargs)['small_elements']
+        except RuntimeError as exc:  # a negative count: torch.randn raises inside the case
+            seen['error'] = f'{type(exc).__name__}: {exc}'
+        seen['after'] = _small_elements()
+        return seen
+
+    shipped = _small_elements()
+    cases = {
+        'recompiles': around(small, scenario_recompiles, steps=[[1, 0, 1, 0]], reference=False),
+        'squared_relu': around(small + 1, scenario_squared_relu_recompiles, counts=[1]),
+        'raised': around(small + 2, scenario_squared_relu_recompiles, counts=[-1]),
+    }
+    return {'shipped': shipped, 'cases': cases}
 
 
 def _squared_relu_steps(counts):
