@@ -12,6 +12,8 @@ import inspect
 
 import torch
 
+from tests.scenarios.moe_recompiles import _small, _small_elements
+
 SEED = 38039
 
 
@@ -22,23 +24,6 @@ def _graphs():
 
     fn = inspect.unwrap(fused_bias_dropout.bias_dropout_add_fused_train)
     return len(_debug_get_cache_entry_list(fn))
-
-
-@contextlib.contextmanager
-def _small(small):
-    """The fork's ``routed_token_fuser.SMALL_ELEMENTS`` set to ``small`` where given, put back
-    after (a worker runs other files' cases next)."""
-    try:
-        from megatron.core.fusions import routed_token_fuser
-    except ImportError:  # pristine
-        yield None
-        return
-    shipped = routed_token_fuser.SMALL_ELEMENTS
-    routed_token_fuser.SMALL_ELEMENTS = shipped if small is None else small
-    try:
-        yield routed_token_fuser.SMALL_ELEMENTS
-    finally:
-        routed_token_fuser.SMALL_ELEMENTS = shipped
 
 
 def _layer(experts, dropout):
@@ -93,14 +78,17 @@ def scenario_bda_graphs(ctx, experts, small=None, steps=2):
     # (attention dropout is 0 in these layers).
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    with _small(small) as threshold:
-        layer = _layer(experts or None, 0.1)
-        for step in range(steps):
-            _step(layer, SEED + step, eager=False)
-        graphs = _graphs()
-        layer = _layer(experts or None, 0.0)
-        compiled = _step(layer, SEED, eager=False)
-        eager = _step(layer, SEED, eager=True)
-    del tracker.fork
+    try:
+        with _small(small):
+            threshold = _small_elements()
+            layer = _layer(experts or None, 0.1)
+            for step in range(steps):
+                _step(layer, SEED + step, eager=False)
+            graphs = _graphs()
+            layer = _layer(experts or None, 0.0)
+            compiled = _step(layer, SEED, eager=False)
+            eager = _step(layer, SEED, eager=True)
+    finally:
+        del tracker.fork  # a worker runs other files' cases next
     diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled, eager))
     return {'graphs': graphs, 'diff': diff, 'small_elements': threshold}
