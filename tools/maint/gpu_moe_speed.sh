@@ -32,6 +32,10 @@
 # GC_PROBE=1 puts tools/maint/gc_probe/ on PYTHONPATH: every full garbage collection is logged
 # as it ends ([gc] gen2 ...) and each generation's count and time at exit ([gc] totals ...).
 # EXTRA="--manual-gc" runs upstream's own manual collection instead (an arm to compare).
+# EXTRA="--lr 0 --min-lr 0" keeps the model, and so its routing, as initialised: without load
+# balancing the router concentrates its tokens as the model trains, which makes later steps
+# cheaper (docs/warmup.md, "Where it stands"); at lr 0 first five over steady compares like with
+# like. EXTRA="--moe-aux-loss-coeff 1e-2" balances it instead, as most MoE runs do.
 set -uo pipefail
 fork=$(realpath "$1") pristine=$(realpath "$2") mlm=$(realpath "$3") repeats=${4:-2}
 out=${OUT:-$PWD/build/moe-speed-logs}
