@@ -16,6 +16,9 @@ import pytest
 
 from tests.harness.launcher import resolve_tree
 
+# Installs, files and exit codes: the non-native ATEN_CPU_CAPABILITY pass skips it (pytest.ini).
+pytestmark = pytest.mark.rounding_free
+
 REPO = Path(__file__).resolve().parents[1]
 FORK = 'fork'
 PRISTINE = 'pristine'
