@@ -119,6 +119,7 @@ def moe_bias_dropout_add(get_bda):
         return get_bda
 
     @functools.wraps(get_bda)
+    @functools.lru_cache(maxsize=None)  # one function per (training, fused), not one per call
     def get(training, fused):
         bda = get_bda(training, fused)
         if not fused:
