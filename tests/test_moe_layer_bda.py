@@ -5,7 +5,8 @@ A MoE step waits on the host, and the compiled ``bias_dropout_add_fused_train`` 
 and AOTAutograd's wrapper, forward and backward) costs more host time there than its few eager
 operations. Counterfactual, no timing read (tests/scenarios/moe_layer_bda.py): pristine compiles
 the fused function in a MoE layer; the fork compiles none below ``SMALL_ELEMENTS`` (far above
-these tensors) and compiles it again at threshold 0. A dense layer compiles it on the fork. The
+these tensors) and compiles it again at a threshold of the residual's own size (the boundary:
+``SMALL_ELEMENTS`` elements or more compile). A dense layer compiles it on the fork. The
 layer's output and input grad equal the eager layer's either way.
 """
 
@@ -16,10 +17,11 @@ from tests.harness.bases import FORK, PRISTINE, tree_has_fix
 
 MOD = 'tests.scenarios.moe_layer_bda:scenario_bda_graphs'
 CHANGE = 'moe-routed-token-count-dynamic'
+RESIDUAL = 6 * 1 * 8  # elements of the scenario's residual ([sequence, batch, hidden])
 CASES = {
     'pristine-moe': call(1, PRISTINE, MOD, experts=4),
     'fork-moe': call(1, FORK, MOD, experts=4),
-    'fork-moe-small-0': call(1, FORK, MOD, experts=4, small=0),
+    'fork-moe-at-threshold': call(1, FORK, MOD, experts=4, small=RESIDUAL),
     'fork-dense': call(1, FORK, MOD, experts=0),
 }
 
@@ -30,7 +32,7 @@ def _result(case):
     return res
 
 
-@pytest.mark.parametrize('case', ['pristine-moe', 'fork-moe-small-0', 'fork-dense'])
+@pytest.mark.parametrize('case', ['pristine-moe', 'fork-moe-at-threshold', 'fork-dense'])
 def test_compiled_where_upstream_compiles(case):
     if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
         pytest.skip(f'{CHANGE} is not in the fork tree')
