@@ -6,7 +6,9 @@ and AOTAutograd's wrapper, forward and backward) costs more host time there than
 operations. Counterfactual, no timing read (tests/scenarios/moe_layer_bda.py): pristine compiles
 the fused function in a MoE layer; the fork compiles none below ``SMALL_ELEMENTS`` (far above
 these tensors) and compiles it again at a threshold of the residual's own size (the boundary:
-``SMALL_ELEMENTS`` elements or more compile). A dense layer compiles it on the fork. The
+``SMALL_ELEMENTS`` elements or more compile). In eval mode the same holds for
+``bias_dropout_add_fused_inference``. A dense layer compiles it on the fork, also the dense layer
+of a MoE model (``moe_layer_freq``: the config has experts, the layer's spec has none). The
 layer's output and input grad equal the eager layer's either way.
 """
 
@@ -23,6 +25,9 @@ CASES = {
     'fork-moe': call(1, FORK, MOD, experts=4),
     'fork-moe-at-threshold': call(1, FORK, MOD, experts=4, small=RESIDUAL),
     'fork-dense': call(1, FORK, MOD, experts=0),
+    'fork-dense-layer-of-moe-model': call(1, FORK, MOD, experts=4, dense_layer=True),
+    'pristine-moe-eval': call(1, PRISTINE, MOD, experts=4, training=False),
+    'fork-moe-eval': call(1, FORK, MOD, experts=4, training=False),
 }
 
 
@@ -32,7 +37,16 @@ def _result(case):
     return res
 
 
-@pytest.mark.parametrize('case', ['pristine-moe', 'fork-moe-at-threshold', 'fork-dense'])
+@pytest.mark.parametrize(
+    'case',
+    [
+        'pristine-moe',
+        'pristine-moe-eval',
+        'fork-moe-at-threshold',
+        'fork-dense',
+        'fork-dense-layer-of-moe-model',
+    ],
+)
 def test_compiled_where_upstream_compiles(case):
     if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
         pytest.skip(f'{CHANGE} is not in the fork tree')
@@ -41,10 +55,11 @@ def test_compiled_where_upstream_compiles(case):
     assert res['diff'] < 1e-5, res
 
 
-def test_fork_moe_layer_runs_bda_eagerly():
+@pytest.mark.parametrize('case', ['fork-moe', 'fork-moe-eval'])
+def test_fork_moe_layer_runs_bda_eagerly(case):
     if not tree_has_fix(FORK, CHANGE):
         pytest.skip(f'{CHANGE} is not in the fork tree')
-    res = _result('fork-moe')
+    res = _result(case)
     assert res['small_elements'] == 1 << 24, res
     assert res['graphs'] == 0, res
     assert res['diff'] < 1e-5, res

@@ -1,10 +1,12 @@
-"""Issue 38: which transformer layers compile ``bias_dropout_add_fused_train``.
+"""Issue 38: which transformer layers compile the fused bias-dropout-add.
 
 One upstream ``TransformerLayer`` (local spec, ``bias_dropout_fusion`` on), with a MoE MLP (four
-``SequentialMLP`` experts, top-2) or a dense one, runs a forward and backward step on a CPU rank,
-compiled by ``jit_fuser`` as on a GPU. The scenario reads how many graphs dynamo holds for the
-fused function after the step, and the layer's output and input grad against the same step with
-every fused function eager.
+``SequentialMLP`` experts, top-2) or a dense one, runs a forward and backward step on a CPU rank
+(or, in eval mode, a forward step), compiled by ``jit_fuser`` as on a GPU. The dense layer is built
+either in a dense model or, as ``moe_layer_freq`` builds it, from the dense spec in a model whose
+config has experts. The scenario reads how many graphs dynamo holds for the fused function after
+the step (``bias_dropout_add_fused_train``, or ``_inference`` in eval mode), and the layer's output
+and input grad against the same step with every fused function eager.
 """
 
 import contextlib
@@ -17,16 +19,20 @@ from tests.scenarios.moe_recompiles import _small, _small_elements
 SEED = 38039
 
 
-def _graphs():
+def _graphs(training):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from megatron.core.fusions import fused_bias_dropout
 
-    fn = inspect.unwrap(fused_bias_dropout.bias_dropout_add_fused_train)
-    return len(_debug_get_cache_entry_list(fn))
+    fn = (
+        fused_bias_dropout.bias_dropout_add_fused_train
+        if training
+        else fused_bias_dropout.bias_dropout_add_fused_inference
+    )
+    return len(_debug_get_cache_entry_list(inspect.unwrap(fn)))
 
 
-def _layer(experts):
+def _layer(experts, spec_experts):
     import torch.nn.functional as F
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -51,25 +57,28 @@ def _layer(experts):
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
     )
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=spec_experts, moe_grouped_gemm=False)
     torch.manual_seed(SEED)
     return build_module(spec, config=config, layer_number=1)
 
 
 def _step(layer, seed, eager):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(6, 1, 8, generator=gen).requires_grad_()
+    x = torch.randn(6, 1, 8, generator=gen).requires_grad_(layer.training)
     with torch.compiler.set_stance('force_eager') if eager else contextlib.nullcontext():
         out, _ = layer(x, attention_mask=None)
+        if not layer.training:
+            return (out,)
         out.pow(2).sum().backward()
     return out.detach(), x.grad
 
 
-def scenario_bda_graphs(ctx, experts, small=None):
-    """Graphs of ``bias_dropout_add_fused_train`` after a training step of one layer (``experts``
-    0: dense), at the fork's ``SMALL_ELEMENTS`` = ``small`` where given; and the largest
-    difference of the output and the input grad from the same step with every fused function
-    eager (dropout 0, so that both draw no random numbers)."""
+def scenario_bda_graphs(ctx, experts, small=None, training=True, dense_layer=False):
+    """Graphs of the fused bias-dropout-add after a step of one layer (``experts`` 0: a dense
+    model; ``dense_layer``: the dense layer of a model with ``experts``; ``training`` False: a
+    forward step in eval mode), at the fork's ``SMALL_ELEMENTS`` = ``small`` where given; and the
+    largest difference of the output (and the input grad) from the same step with every fused
+    function eager (dropout 0, so that both draw no random numbers)."""
     from megatron.core import tensor_parallel
     from tests.scenarios.common import init_parallel
 
@@ -82,9 +91,10 @@ def scenario_bda_graphs(ctx, experts, small=None):
     try:
         with _small(small):
             threshold = _small_elements()
-            layer = _layer(experts or None)
+            layer = _layer(experts or None, None if dense_layer else experts or None)
+            layer.train(training)
             compiled = _step(layer, SEED, eager=False)
-            graphs = _graphs()
+            graphs = _graphs(training)
             eager = _step(layer, SEED, eager=True)
     finally:
         del tracker.fork  # a worker runs other files' cases next
