@@ -53,6 +53,7 @@ def test_compiled_where_upstream_compiles(case):
     res = _result(case)
     assert res['graphs'] >= 1, res
     assert res['diff'] < 1e-5, res
+    assert res['same_function'], res
 
 
 @pytest.mark.parametrize('case', ['fork-moe', 'fork-moe-eval'])
@@ -63,3 +64,4 @@ def test_fork_moe_layer_runs_bda_eagerly(case):
     assert res['small_elements'] == 1 << 24, res
     assert res['graphs'] == 0, res
     assert res['diff'] < 1e-5, res
+    assert res['same_function'], res  # not a new function per layer call (the hot path)

@@ -93,10 +93,15 @@ def scenario_bda_graphs(ctx, experts, small=None, training=True, dense_layer=Fal
             threshold = _small_elements()
             layer = _layer(experts or None, None if dense_layer else experts or None)
             layer.train(training)
+            # the layer asks its getters for the function on every call: one function each
+            same = all(
+                bda(training, True) is bda(training, True)
+                for bda in (layer.self_attn_bda, layer.mlp_bda)
+            )
             compiled = _step(layer, SEED, eager=False)
             graphs = _graphs(training)
             eager = _step(layer, SEED, eager=True)
     finally:
         del tracker.fork  # a worker runs other files' cases next
     diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled, eager))
-    return {'graphs': graphs, 'diff': diff, 'small_elements': threshold}
+    return {'graphs': graphs, 'diff': diff, 'small_elements': threshold, 'same_function': same}
