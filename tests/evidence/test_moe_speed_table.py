@@ -63,9 +63,20 @@ def test_runs_and_ratios(tmp_path):
     assert _row(out, 'ag8', 'fork', 'a1')[5] == '1: 2'
     warm = _row(out, 'ag8', 'fork-warmup5', 'a1')
     assert warm[4].split()[0] == '1.05' and warm[5] == 'none' and warm[6] == '3 / 3'
+    assert warm[7] == '0 of 20', warm
     ratios = _row(out, 'ag8', 'a1')
     assert ratios[2:4] == ['0.780', '0.975'], ratios
     assert ratios[4] == f'0.0e+00; {1e-3 / (10 - 0.01):.1e}', ratios
+
+
+def test_steady_spread(tmp_path):
+    # 20 steady iterations (11-30), median 100: 86 and 111 are over 1.10 of it, 110 is not
+    steady = [100.0] * 14 + [110.0, 111.0, 86.0, 95.0, 90.0, 120.0]
+    _log(tmp_path / 'a2a8-fork-warmup5-z1.log', [105.0] * 10 + steady, warmup=3)
+    rc, out, err = _table(tmp_path)
+    assert rc == 0, err
+    row = _row(out, 'a2a8', 'fork-warmup5', 'z1')
+    assert row[3] == '100.0' and row[7] == '2 of 20', row
 
 
 def test_no_logs_is_an_error(tmp_path):
