@@ -8,9 +8,9 @@ iteration (``TORCH_LOGS=recompiles``: a ``Recompiling function`` line belongs to
 whose line follows it; lines before a ``[warmup] Ran`` line belong to the warmup), the lm
 loss of every iteration, and the run's own spread: how many steady iterations take more than 1.10
 of the steady median (a host-bound step varies from one iteration to the next, so a single early
-iteration over 1.10 means little where steady ones are too). Per model, for each repeat: steady fork / pristine and fork / eager of
-the runs of that repeat (one device call, back to back), and the largest relative loss distance
-of each arm from pristine against that of eager from pristine.
+iteration over 1.10 means little where steady ones are too). Per model, for each repeat: steady
+fork / pristine and fork / eager of the runs of that repeat (one device call, back to back), and
+the largest relative loss distance of each arm from pristine against that of eager from pristine.
 """
 
 import argparse
