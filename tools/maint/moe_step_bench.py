@@ -34,6 +34,7 @@ compiled after the settling steps (0 is the claim of change 0049 for the fork).
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import time
@@ -148,6 +149,12 @@ def main():
     parser.add_argument('--settle', type=int, default=12)
     parser.add_argument('--profile', type=int, default=0, help='then profile N steps per arm')
     parser.add_argument('--arms', default='compiled,eager,act-eager,bda-eager,rest-eager')
+    parser.add_argument(
+        '--gc-off',
+        action='store_true',
+        help='no automatic garbage collection in the timed rounds (one gc.collect() after each '
+        'round, untimed): is the spread of the step times the collector?',
+    )
     args = parser.parse_args()
 
     os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
@@ -224,10 +231,16 @@ def main():
     step(names[0])
     print('calls per step:', ', '.join(f'{k} {v}' for k, v in sorted(_CALLS.items())))
     times = {arm: [] for arm in names}
+    if args.gc_off:
+        gc.collect()
+        gc.disable()
     for _ in range(args.rounds):
         for arm in names:
             for _ in range(args.per):
                 times[arm].append(step(arm))
+        if args.gc_off:
+            gc.collect()
+    gc.enable()
     ref = statistics.median(times[names[0]])
     # A busy host only adds time, so the lower quartile shows an arm's own cost with less of it.
     ref_low = statistics.quantiles(times[names[0]], n=4)[0]
