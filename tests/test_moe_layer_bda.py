@@ -18,6 +18,7 @@ from tests.harness import call
 from tests.harness.bases import FORK, PRISTINE, tree_has_fix
 
 MOD = 'tests.scenarios.moe_layer_bda:scenario_bda_graphs'
+REGION = 'tests.scenarios.moe_layer_bda:scenario_bda_in_compiled_region'
 CHANGE = 'moe-routed-token-count-dynamic'
 RESIDUAL = 6 * 1 * 8  # elements of the scenario's residual ([sequence, batch, hidden])
 CASES = {
@@ -28,6 +29,8 @@ CASES = {
     'fork-dense-layer-of-moe-model': call(1, FORK, MOD, experts=4, dense_layer=True),
     'pristine-moe-eval': call(1, PRISTINE, MOD, experts=4, training=False),
     'fork-moe-eval': call(1, FORK, MOD, experts=4, training=False),
+    'pristine-region': call(1, PRISTINE, REGION, small=64),
+    'fork-region': call(1, FORK, REGION, small=64),
 }
 
 
@@ -65,3 +68,15 @@ def test_fork_moe_layer_runs_bda_eagerly(case):
     assert res['graphs'] == 0, res
     assert res['diff'] < 1e-5, res
     assert res['same_function'], res  # not a new function per layer call (the hot path)
+
+
+@pytest.mark.parametrize('case', ['pristine-region', 'fork-region'])
+def test_one_graph_when_the_layer_is_compiled_whole(case):
+    # Inside a compiled region the getter's function calls the fused function at every size,
+    # as pristine's does: no guard on the residual's size, so one graph over sizes on both sides
+    # of the threshold (testing the size before is_compiling() compiled a second graph).
+    if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
+        pytest.skip(f'{CHANGE} is not in the fork tree')
+    res = _result(case)
+    assert res['frames'] == 1, res
+    assert res['diff'] == 0.0, res

@@ -105,3 +105,29 @@ def scenario_bda_graphs(ctx, experts, small=None, training=True, dense_layer=Fal
         del tracker.fork  # a worker runs other files' cases next
     diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(compiled, eager))
     return {'graphs': graphs, 'diff': diff, 'small_elements': threshold, 'same_function': same}
+
+
+def scenario_bda_in_compiled_region(ctx, small):
+    """The function a MoE layer's bias-dropout-add getter returns, called in a region that
+    torch.compile compiles whole with dynamic shapes (as a layer compiled whole is), over
+    residuals of [n, 1, 8] on both sides of the fork's ``SMALL_ELEMENTS`` = ``small``: the frames
+    dynamo compiled (one on pristine: the region holds the fused function at every size) and the
+    largest difference from x + residual (dropout 0)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from tests.scenarios.common import init_parallel
+
+    init_parallel()
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    diff = 0.0
+    with _small(small):
+        bda = _layer(4, 4).mlp_bda(True, True)
+        region = torch.compile(
+            lambda x, residual: bda((x, None), residual, 0.0), backend=counter, dynamic=True
+        )
+        gen = torch.Generator().manual_seed(SEED)
+        for n in (small // 16, small // 2, small // 32, small):  # below, above, below, above
+            x, residual = torch.randn(2, n, 1, 8, generator=gen)
+            diff = max(diff, (region(x, residual) - (x + residual)).abs().max().item())
+    return {'frames': counter.frame_count, 'diff': diff}

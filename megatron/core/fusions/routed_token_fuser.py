@@ -127,7 +127,7 @@ def moe_bias_dropout_add(get_bda):
         unfused = get_bda(training, False)
 
         def call(x_with_bias, residual, prob):
-            if residual.numel() < SMALL_ELEMENTS and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and residual.numel() < SMALL_ELEMENTS:
                 return unfused(x_with_bias, residual, prob)
             return bda(x_with_bias, residual, prob)
 

@@ -5,6 +5,7 @@ import inspect
 import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.testing import CompileCounter
 
 from megatron.core import jit
 from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu, routed_token_fuser
@@ -119,6 +120,24 @@ class TestMoEBiasDropoutAdd:
         assert self._graphs() == 1
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+
+    def test_one_function_per_getter_call_args(self):
+        get_bda = routed_token_fuser.moe_bias_dropout_add(fused_bias_dropout.get_bias_dropout_add)
+        assert get_bda(True, True) is get_bda(True, True)
+        assert get_bda(False, True) is get_bda(False, True)
+
+    def test_one_graph_in_a_compiled_region(self, monkeypatch):
+        # A layer compiled whole: the fused function at every size, with no guard on the size.
+        monkeypatch.setattr(routed_token_fuser, 'SMALL_ELEMENTS', 64)
+        get_bda = routed_token_fuser.moe_bias_dropout_add(fused_bias_dropout.get_bias_dropout_add)
+        bda = get_bda(True, True)
+        counter = CompileCounter()
+        region = torch.compile(lambda x, r: bda((x, None), r, 0.0), backend=counter, dynamic=True)
+        gen = torch.Generator().manual_seed(49)
+        for tokens in (4, 32, 2, 64):  # 32, 256, 16 and 512 elements
+            x, residual = torch.randn(2, tokens, 1, 8, generator=gen)
+            torch.testing.assert_close(region(x, residual), x + residual, rtol=0, atol=0)
+        assert counter.frame_count == 1
 
     def test_other_getters_unchanged(self):
         assert routed_token_fuser.moe_bias_dropout_add(IdentityFuncOp) is IdentityFuncOp
