@@ -32,7 +32,7 @@ def _graphs(training):
     return len(_debug_get_cache_entry_list(inspect.unwrap(fn)))
 
 
-def _layer(experts, spec_experts):
+def _layer(experts, spec_experts, mlp_bda=None):
     import torch.nn.functional as F
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -58,6 +58,8 @@ def _layer(experts, spec_experts):
         gradient_accumulation_fusion=False,
     )
     spec = get_gpt_layer_local_spec(num_experts=spec_experts, moe_grouped_gemm=False)
+    if mlp_bda is not None:
+        spec.submodules.mlp_bda = mlp_bda
     torch.manual_seed(SEED)
     return build_module(spec, config=config, layer_number=1)
 
@@ -131,3 +133,14 @@ def scenario_bda_in_compiled_region(ctx, small):
             x, residual = torch.randn(2, n, 1, 8, generator=gen)
             diff = max(diff, (region(x, residual) - (x + residual)).abs().max().item())
     return {'frames': counter.frame_count, 'diff': diff}
+
+
+def scenario_other_bda_getter(ctx):
+    """A MoE layer whose spec gives ``mlp_bda`` as a getter other than upstream's
+    ``get_bias_dropout_add`` (``IdentityFuncOp``): whether the layer holds that module as built."""
+    from megatron.core.transformer.identity_op import IdentityFuncOp
+    from tests.scenarios.common import init_parallel
+
+    init_parallel()
+    layer = _layer(4, 4, mlp_bda=IdentityFuncOp)
+    return {'kept': isinstance(layer.mlp_bda, IdentityFuncOp)}
