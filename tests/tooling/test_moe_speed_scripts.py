@@ -91,6 +91,20 @@ def test_gpu_moe_speed_gc_probe(tmp_path):
         assert f'PYTHONPATH={trees["fork"]}{expected}' in env_line, env_line
 
 
+def test_gpu_moe_speed_probe_dir(tmp_path):
+    """PROBE=DIR puts DIR before the tree on PYTHONPATH (its sitecustomize wins), with or without
+    GC_PROBE; without PROBE the tree comes first."""
+    probe = tmp_path / 'probe'
+    probe.mkdir()
+    for gc_flag in ('0', '1'):
+        run, trees = _speed(
+            tmp_path, MODELS='ag8', ARMS='fork', TAG='p', PROBE=str(probe), GC_PROBE=gc_flag
+        )
+        assert run.returncode == 0, run.stderr
+        env_line = (tmp_path / 'logs' / 'ag8-fork-p1.log').read_text().splitlines()[0]
+        assert f'PYTHONPATH={probe.resolve()}:{trees["fork"]}' in env_line, env_line
+
+
 def test_gc_probe_reports_collections():
     """The probe, imported as sitecustomize by a plain interpreter: a full collection's line as it
     ends, the totals at exit, and the program's own output untouched."""

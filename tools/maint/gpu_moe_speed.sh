@@ -31,6 +31,8 @@
 # DEADLINE (epoch seconds): start no run after it (the runs left out are named).
 # GC_PROBE=1 puts tools/maint/gc_probe/ on PYTHONPATH: every full garbage collection is logged
 # as it ends ([gc] gen2 ...) and each generation's count and time at exit ([gc] totals ...).
+# PROBE=DIR puts DIR first on PYTHONPATH (a sitecustomize.py of a measurement; it wins over
+# GC_PROBE's).
 # EXTRA="--manual-gc" runs upstream's own manual collection instead (an arm to compare).
 # EXTRA="--lr 0 --min-lr 0" keeps the model, and so its routing, as initialised: without load
 # balancing the router concentrates its tokens as the model trains, which makes later steps
@@ -82,6 +84,7 @@ for rep in $(seq 1 "$repeats"); do
       started=$(date +%s)
       pythonpath=$tree
       [ "${GC_PROBE:-0}" = 1 ] && pythonpath="$tree:$(cd "$(dirname "$0")" && pwd)/gc_probe"
+      [ -n "${PROBE:-}" ] && pythonpath="$(realpath "$PROBE"):$pythonpath"
       (cd "$mlm" && env PYTHONPATH="$pythonpath" PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles \
         "${env_extra[@]}" python3 -m torch.distributed.run --nproc_per_node 1 \
         --master_port 29512 pretrain_gpt.py "${common[@]}" "${shape[@]}" "${extra[@]}" \
