@@ -10,7 +10,9 @@ these tensors) and compiles it again at a threshold of the residual's own size (
 ``bias_dropout_add_fused_inference``. A dense layer compiles it on the fork, also the dense layer
 of a MoE model (``moe_layer_freq``: the config has experts, the layer's spec has none). The
 layer's output and input grad equal the eager layer's either way. A getter other than upstream's
-(a spec's own module) is left as built.
+(a spec's own module) is left as built. Where ``jit_fuser`` is not ``torch.compile``
+(``--disable-jit-fuser``) or torch lacks ``set_stance``, the change steps aside: the weighted
+SwiGLU functions are decorated as on pristine and a MoE layer keeps upstream's getter.
 """
 
 import pytest
@@ -21,6 +23,7 @@ from tests.harness.bases import FORK, PRISTINE, tree_has_fix
 MOD = 'tests.scenarios.moe_layer_bda:scenario_bda_graphs'
 REGION = 'tests.scenarios.moe_layer_bda:scenario_bda_in_compiled_region'
 OTHER = 'tests.scenarios.moe_layer_bda:scenario_other_bda_getter'
+JIT_OFF = 'tests.scenarios.moe_layer_bda:scenario_jit_fuser_off'
 CHANGE = 'moe-routed-token-count-dynamic'
 RESIDUAL = 6 * 1 * 8  # elements of the scenario's residual ([sequence, batch, hidden])
 CASES = {
@@ -35,6 +38,10 @@ CASES = {
     'fork-region': call(1, FORK, REGION, small=64),
     'pristine-other-getter': call(1, PRISTINE, OTHER),
     'fork-other-getter': call(1, FORK, OTHER),
+    'pristine-jit-off': call(1, PRISTINE, JIT_OFF, off='jit'),
+    'fork-jit-off': call(1, FORK, JIT_OFF, off='jit'),
+    'pristine-no-set-stance': call(1, PRISTINE, JIT_OFF, off='set_stance'),
+    'fork-no-set-stance': call(1, FORK, JIT_OFF, off='set_stance'),
 }
 
 
@@ -92,3 +99,18 @@ def test_other_bda_getter_left_as_built(case):
     if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
         pytest.skip(f'{CHANGE} is not in the fork tree')
     assert _result(case)['kept']
+
+
+@pytest.mark.parametrize(
+    'case', ['pristine-jit-off', 'fork-jit-off', 'pristine-no-set-stance', 'fork-no-set-stance']
+)
+def test_jit_fuser_off_leaves_upstream_decoration(case):
+    # Where jit_fuser is a no-op (--disable-jit-fuser) the weighted SwiGLU functions are the plain
+    # functions and a MoE layer keeps get_bias_dropout_add, as on pristine; in a torch without
+    # set_stance the functions are torch.compile's, unwrapped.
+    if case.startswith('fork') and not tree_has_fix(FORK, CHANGE):
+        pytest.skip(f'{CHANGE} is not in the fork tree')
+    res = _result(case)
+    kind = 'plain' if case.endswith('jit-off') else 'compiled'
+    assert res['kinds'] == {'weighted_swiglu': kind, 'weighted_swiglu_back': kind}, res
+    assert res['upstream_getter'] or not case.endswith('jit-off'), res

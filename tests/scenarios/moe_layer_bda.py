@@ -144,3 +144,50 @@ def scenario_other_bda_getter(ctx):
     init_parallel()
     layer = _layer(4, 4, mlp_bda=IdentityFuncOp)
     return {'kept': isinstance(layer.mlp_bda, IdentityFuncOp)}
+
+
+def scenario_jit_fuser_off(ctx, off):
+    """Where upstream's ``jit_fuser`` is not ``torch.compile``: ``off`` 'jit' disables it as
+    ``--disable-jit-fuser`` does (``megatron.core.jit.disable_jit_fuser()``: a no-op decorator);
+    'set_stance' leaves it on in a torch without ``torch.compiler.set_stance``. The fused SwiGLU
+    module is executed anew under that setting (a module object of its own, the loaded one is
+    untouched), and a MoE layer is built. Returns, per weighted SwiGLU function, what decorated it
+    (``plain``: the function itself; ``compiled``: ``torch.compile``'s wrapper; ``other``: a
+    wrapper of anyone else's) and whether the layer holds upstream's bias-dropout-add getter."""
+    import importlib.util
+    import sys
+
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from tests.scenarios.common import init_parallel
+
+    init_parallel()
+    saved_stance = torch.compiler.set_stance
+    if off == 'jit':
+        jit.disable_jit_fuser()
+    else:
+        del torch.compiler.set_stance
+    try:
+        spec = importlib.util.spec_from_file_location(
+            'moe_layer_bda_fused_bias_swiglu', fused_bias_swiglu.__file__
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # what its classes' definitions look up
+        spec.loader.exec_module(module)
+        layer = _layer(4, 4)
+    finally:
+        sys.modules.pop('moe_layer_bda_fused_bias_swiglu', None)
+        torch.compiler.set_stance = saved_stance
+        jit.enable_jit_fuser()
+
+    def kind(fn):
+        if hasattr(fn, '_torchdynamo_orig_callable'):
+            return 'compiled'
+        return 'other' if hasattr(fn, '__wrapped__') else 'plain'
+
+    names = ('weighted_swiglu', 'weighted_swiglu_back')
+    return {
+        'kinds': {name: kind(getattr(module, name)) for name in names},
+        'upstream_getter': layer.mlp_bda is get_bias_dropout_add,
+    }
