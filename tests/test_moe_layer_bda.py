@@ -7,7 +7,8 @@ operations. Counterfactual, no timing read (tests/scenarios/moe_layer_bda.py): p
 the fused function in a MoE layer; the fork compiles none below ``SMALL_ELEMENTS`` (far above
 these tensors) and compiles it again at a threshold of the residual's own size (the boundary:
 ``SMALL_ELEMENTS`` elements or more compile). In eval mode the same holds for
-``bias_dropout_add_fused_inference``. A dense layer compiles it on the fork, also the dense layer
+``bias_dropout_add_fused_inference``, and in a ``MoETransformerLayer`` (the layer class of the
+partial CUDA graphs). A dense layer compiles it on the fork, also the dense layer
 of a MoE model (``moe_layer_freq``: the config has experts, the layer's spec has none). The
 layer's output and input grad equal the eager layer's either way. A getter other than upstream's
 (a spec's own module) is left as built. Where ``jit_fuser`` is not ``torch.compile``
@@ -32,6 +33,8 @@ CASES = {
     'fork-moe-at-threshold': call(1, FORK, MOD, experts=4, small=RESIDUAL),
     'fork-dense': call(1, FORK, MOD, experts=0),
     'fork-dense-layer-of-moe-model': call(1, FORK, MOD, experts=4, dense_layer=True),
+    'pristine-moe-layer-class': call(1, PRISTINE, MOD, experts=4, moe_layer_class=True),
+    'fork-moe-layer-class': call(1, FORK, MOD, experts=4, moe_layer_class=True),
     'pristine-moe-eval': call(1, PRISTINE, MOD, experts=4, training=False),
     'fork-moe-eval': call(1, FORK, MOD, experts=4, training=False),
     'pristine-region': call(1, PRISTINE, REGION, small=64),
@@ -55,6 +58,7 @@ def _result(case):
     'case',
     [
         'pristine-moe',
+        'pristine-moe-layer-class',
         'pristine-moe-eval',
         'fork-moe-at-threshold',
         'fork-dense',
@@ -70,7 +74,7 @@ def test_compiled_where_upstream_compiles(case):
     assert res['same_function'], res
 
 
-@pytest.mark.parametrize('case', ['fork-moe', 'fork-moe-eval'])
+@pytest.mark.parametrize('case', ['fork-moe', 'fork-moe-layer-class', 'fork-moe-eval'])
 def test_fork_moe_layer_runs_bda_eagerly(case):
     if not tree_has_fix(FORK, CHANGE):
         pytest.skip(f'{CHANGE} is not in the fork tree')

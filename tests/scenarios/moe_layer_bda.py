@@ -32,7 +32,7 @@ def _graphs(training):
     return len(_debug_get_cache_entry_list(inspect.unwrap(fn)))
 
 
-def _layer(experts, spec_experts, mlp_bda=None):
+def _layer(experts, spec_experts, mlp_bda=None, moe_layer_class=False):
     import torch.nn.functional as F
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -60,6 +60,10 @@ def _layer(experts, spec_experts, mlp_bda=None):
     spec = get_gpt_layer_local_spec(num_experts=spec_experts, moe_grouped_gemm=False)
     if mlp_bda is not None:
         spec.submodules.mlp_bda = mlp_bda
+    if moe_layer_class:  # the layer class of the partial CUDA graphs (hybrid specs use it)
+        from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+        spec.module = MoETransformerLayer
     torch.manual_seed(SEED)
     return build_module(spec, config=config, layer_number=1)
 
@@ -75,10 +79,13 @@ def _step(layer, seed, eager):
     return out.detach(), x.grad
 
 
-def scenario_bda_graphs(ctx, experts, small=None, training=True, dense_layer=False):
+def scenario_bda_graphs(
+    ctx, experts, small=None, training=True, dense_layer=False, moe_layer_class=False
+):
     """Graphs of the fused bias-dropout-add after a step of one layer (``experts`` 0: a dense
     model; ``dense_layer``: the dense layer of a model with ``experts``; ``training`` False: a
-    forward step in eval mode), at the fork's ``SMALL_ELEMENTS`` = ``small`` where given; and the
+    forward step in eval mode; ``moe_layer_class``: built as ``MoETransformerLayer``, without CUDA
+    graphs), at the fork's ``SMALL_ELEMENTS`` = ``small`` where given; and the
     largest difference of the output (and the input grad) from the same step with every fused
     function eager (dropout 0, so that both draw no random numbers)."""
     from megatron.core import tensor_parallel
@@ -93,7 +100,11 @@ def scenario_bda_graphs(ctx, experts, small=None, training=True, dense_layer=Fal
     try:
         with _small(small):
             threshold = _small_elements()
-            layer = _layer(experts or None, None if dense_layer else experts or None)
+            layer = _layer(
+                experts or None,
+                None if dense_layer else experts or None,
+                moe_layer_class=moe_layer_class,
+            )
             layer.train(training)
             # the layer asks its getters for the function on every call: one function each
             same = all(
