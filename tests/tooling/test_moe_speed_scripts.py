@@ -12,6 +12,8 @@
   union of overlapping kernels), the launches per step, the tables per step, and exit code 2
   with one line for an unreadable trace or one without a profiled step. gpu_moe_speed.sh's
   fork-eager arm and PROFILE option.
+- tools/maint/step_probe (a sitecustomize): megatron's train_step and the data iterator wrapped as
+  they are imported, one line per step; gpu_moe_speed.sh's PROBE option.
 """
 
 import gzip
@@ -119,6 +121,42 @@ def test_gc_probe_reports_collections():
     assert re.search(r'^\[gc\] gen2 [\d.]+ ms collected \d+$', run.stderr, re.M), run.stderr
     totals = r'^\[gc\] totals gen0: \d+ in \d+ ms gen1: .* gen2: [1-9]\d* in'
     assert re.search(totals, run.stderr, re.M), run.stderr
+
+
+STEP_PROBE_CHECK = """
+import gc, re, sys
+import sitecustomize as probe
+import megatron.training.training as training
+import megatron.core.rerun_state_machine as rerun
+assert getattr(training.train_step, 'step_probe', False), training.train_step
+assert getattr(rerun.RerunDataIterator.__next__, 'step_probe', False)
+assert next(rerun.RerunDataIterator(iter([7]))) == 7
+lines = []
+step = probe.wrap_train_step(lambda n: (gc.collect(), 2 * n)[1], freeze_at=2, write=lines.append)
+assert step(3) == 6 and step(4) == 8
+sys.stdout.write(''.join(lines))
+"""
+
+
+def test_step_probe_wraps_train_step():
+    """The step probe, imported as sitecustomize: megatron's train_step and the data iterator's
+    __next__ wrapped as their modules are imported (the originals run), one line per call with a
+    full collection counted, and gc.freeze() before the call PROBE_FREEZE_AT names."""
+    run = subprocess.run(
+        [sys.executable, '-c', STEP_PROBE_CHECK],
+        env=dict(os.environ, PYTHONPATH=str(REPO / 'tools' / 'maint' / 'step_probe')),
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO / 'tools',  # not the repository root: its megatron/ is the materialized tree
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 3, run.stdout
+    fields = r'step_ms [\d.]+ gap_ms {} data_ms [\d.]+ gc_ms [\d.]+ gc2 1 mallocs \d+ '
+    assert re.match(r'\[probe\] call 1 ' + fields.format('nan'), lines[0]), lines[0]
+    assert re.match(r'\[probe\] gc.freeze\(\) before call 2: \d+$', lines[1]), lines[1]
+    assert re.match(r'\[probe\] call 2 ' + fields.format(r'[\d.]+'), lines[2]), lines[2]
 
 
 def test_gpu_moe_speed_deadline(tmp_path):

@@ -32,7 +32,8 @@
 # GC_PROBE=1 puts tools/maint/gc_probe/ on PYTHONPATH: every full garbage collection is logged
 # as it ends ([gc] gen2 ...) and each generation's count and time at exit ([gc] totals ...).
 # PROBE=DIR puts DIR first on PYTHONPATH (a sitecustomize.py of a measurement; it wins over
-# GC_PROBE's).
+# GC_PROBE's): PROBE=tools/maint/step_probe logs each train step's time, the gap to the previous
+# one, data and gc time and the allocator's cudaMallocs ([probe] lines).
 # EXTRA="--manual-gc" runs upstream's own manual collection instead (an arm to compare).
 # EXTRA="--lr 0 --min-lr 0" keeps the model, and so its routing, as initialised: without load
 # balancing the router concentrates its tokens as the model trains, which makes later steps
