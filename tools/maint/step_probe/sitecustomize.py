@@ -125,6 +125,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     """Finds the hooked modules as the other finders do, and patches each once it has run."""
 
     def find_spec(self, fullname, path, target=None):
+        """The spec the other finders give a hooked module, its loader patching after exec."""
         hook = _HOOKS.get(fullname)
         if hook is None:
             return None
