@@ -105,6 +105,9 @@ def test_gpu_moe_speed_probe_dir(tmp_path):
         assert run.returncode == 0, run.stderr
         env_line = (tmp_path / 'logs' / 'ag8-fork-p1.log').read_text().splitlines()[0]
         assert f'PYTHONPATH={probe.resolve()}:{trees["fork"]}' in env_line, env_line
+    run, trees = _speed(tmp_path, MODELS='ag8', ARMS='fork', TAG='p')
+    env_line = (tmp_path / 'logs' / 'ag8-fork-p1.log').read_text().splitlines()[0]
+    assert f'PYTHONPATH={trees["fork"]} ' in env_line, env_line
 
 
 def test_gc_probe_reports_collections():
