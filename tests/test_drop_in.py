@@ -16,7 +16,7 @@ import pytest
 
 from tests.harness.launcher import resolve_tree
 
-# Installs, files and exit codes: the non-native ATEN_CPU_CAPABILITY pass skips it (pytest.ini).
+# Installs, files and exit codes: no rounding can change its outcome (pytest.ini, rounding_free).
 pytestmark = pytest.mark.rounding_free
 
 REPO = Path(__file__).resolve().parents[1]

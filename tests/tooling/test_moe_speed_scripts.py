@@ -138,13 +138,20 @@ lines = []
 step = probe.wrap_train_step(lambda n: (gc.collect(), 2 * n)[1], freeze_at=2, write=lines.append)
 assert step(3) == 6 and step(4) == 8
 sys.stdout.write(''.join(lines))
+lines = []
+def work(n):
+    return sorted(range(n, 0, -1))[0]
+step = probe.wrap_train_step(work, write=lines.append, pause=(2, 200), profile_calls={2})
+assert step(5) == 1 and step(6) == 1 and step(7) == 1
+sys.stdout.write(''.join(lines))
 """
 
 
 def test_step_probe_wraps_train_step():
     """The step probe, imported as sitecustomize: megatron's train_step and the data iterator's
     __next__ wrapped as their modules are imported (the originals run), one line per call with a
-    full collection counted, and gc.freeze() before the call PROBE_FREEZE_AT names."""
+    full collection counted, gc.freeze() before the call PROBE_FREEZE_AT names, the pause of
+    PROBE_PAUSE in its call's gap, and cProfile's lines after the calls PROBE_PROFILE names."""
     run = subprocess.run(
         [sys.executable, '-c', STEP_PROBE_CHECK],
         env=dict(os.environ, PYTHONPATH=str(REPO / 'tools' / 'maint' / 'step_probe')),
@@ -155,11 +162,19 @@ def test_step_probe_wraps_train_step():
     )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert len(lines) == 3, run.stdout
     fields = r'step_ms [\d.]+ gap_ms {} data_ms [\d.]+ gc_ms [\d.]+ gc2 1 mallocs \d+ '
     assert re.match(r'\[probe\] call 1 ' + fields.format('nan'), lines[0]), lines[0]
     assert re.match(r'\[probe\] gc.freeze\(\) before call 2: \d+$', lines[1]), lines[1]
     assert re.match(r'\[probe\] call 2 ' + fields.format(r'[\d.]+'), lines[2]), lines[2]
+    # PROBE_PAUSE and PROBE_PROFILE: the pause lands in call 2's gap, only call 2 is profiled
+    calls = [re.match(r'\[probe\] call (\d) .* gap_ms ([\d.na]+) ', ln) for ln in lines[3:]]
+    calls = [m for m in calls if m]
+    assert [m[1] for m in calls] == ['1', '2', '3'], lines
+    assert float(calls[1][2]) >= 200 and float(calls[2][2]) < 200, lines
+    prof = [ln for ln in lines[3:] if ln.startswith('[probe-prof')]
+    assert prof and all(ln.startswith('[probe-prof 2] ') for ln in prof), lines
+    assert any(ln.endswith(':work') for ln in prof) and any('sorted' in ln for ln in prof), prof
+    assert lines[3:].index(prof[0]) == 2  # right after call 2's line
 
 
 def test_gpu_moe_speed_deadline(tmp_path):

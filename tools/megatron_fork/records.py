@@ -421,7 +421,7 @@ def write(patch_root, pin):
 def counterfactual_files(changes):
     """The counterfactual test files of all changes (``tests/test_*.py``, each once, in change
     order): the files whose arms run pristine and fork, which ``tools/test.sh`` runs on every
-    maintained base and under a second ``ATEN_CPU_CAPABILITY``."""
+    maintained base, the other releases under a second ``ATEN_CPU_CAPABILITY``."""
     files = []
     for change in changes.values():
         for path in change.tests:

@@ -19,15 +19,22 @@ warmup look it up there), and each call is logged on stderr as it ends:
 - t: the wall clock at the end (to line up with ``nvidia-smi`` samples).
 
 ``PROBE_FREEZE_AT=N`` calls ``gc.freeze()`` right before call N (with 5 warmup steps, N = 6 is the
-first real one): a candidate, everything alive then counted as long-lived. Without CUDA the
+first real one): a candidate, everything alive then counted as long-lived.
+``PROBE_PAUSE=N:MS`` sleeps MS milliseconds before call N, inside its gap: a steady step after an
+idle pause as long as the warmup's restore, to compare with the first real one.
+``PROBE_PROFILE=N,M,...`` runs those calls under cProfile and writes the 25 functions with the
+most own time after each call's line (``[probe-prof N] ncalls tottime_ms cumtime_ms function``):
+the host's time in the first real step against a steady one. Without CUDA the
 synchronizations and allocator counts are left out (0). A measurement only: the synchronizations
 take away the overlap of one step with the next.
 """
 
+import cProfile
 import gc
 import importlib.abc
 import importlib.util
 import os
+import pstats
 import sys
 import time
 
@@ -62,24 +69,46 @@ def _stats(cuda):
     return tuple(s.get(k, 0) for k in keys) + (s.get('reserved_bytes.all.current', 0),)
 
 
-def wrap_train_step(original, freeze_at=0, write=sys.stderr.write):
+def _profile_lines(profile, call, top=25):
+    """The ``top`` functions of ``profile`` by own time, one ``[probe-prof N]`` line each."""
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [
+        f"[probe-prof {call}] {nc} {tt * 1e3:.2f} {ct * 1e3:.2f} {os.path.basename(f)}:{line}:{name}\n"
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]
+
+
+def wrap_train_step(
+    original, freeze_at=0, write=sys.stderr.write, pause=(0, 0.0), profile_calls=()
+):
     """``original`` (train_step's signature) with each call timed and logged as above."""
     state = {'n': 0, 'end': None, 'end_stats': None}
 
     def train_step(*args, **kwargs):
         cuda = _cuda()
-        if state['n'] + 1 == freeze_at:
+        call = state['n'] + 1
+        if call == freeze_at:
             gc.freeze()
             write(f"[probe] gc.freeze() before call {freeze_at}: {gc.get_freeze_count()}\n")
+        if call == pause[0]:
+            time.sleep(pause[1] / 1e3)
+        profile = cProfile.Profile() if call in profile_calls else None
         if cuda is not None:
             cuda.synchronize()
         t0, s0 = time.perf_counter(), _stats(cuda)
         gap = (t0 - state['end']) * 1e3 if state['end'] is not None else float('nan')
         gap_mallocs = s0[0] - state['end_stats'][0] if state['end_stats'] else 0
         gc0, gen2_0, data0 = _gc['ms'], _gc['gen2'], _data['ms']
-        result = original(*args, **kwargs)
-        if cuda is not None:
-            cuda.synchronize()
+        if profile is not None:
+            profile.enable()
+        try:
+            result = original(*args, **kwargs)
+            if cuda is not None:
+                cuda.synchronize()
+        finally:
+            if profile is not None:
+                profile.disable()
         t1, s1 = time.perf_counter(), _stats(cuda)
         state['n'] += 1
         write(
@@ -89,6 +118,8 @@ def wrap_train_step(original, freeze_at=0, write=sys.stderr.write):
             f"retries {s1[2] - s0[2]} gap_mallocs {gap_mallocs} "
             f"reserved_gb {s1[3] / 2**30:.2f} t {time.time():.3f}\n"
         )
+        if profile is not None:
+            write(''.join(_profile_lines(profile, state['n'])))
         state['end'], state['end_stats'] = time.perf_counter(), s1
         return result
 
@@ -98,7 +129,11 @@ def wrap_train_step(original, freeze_at=0, write=sys.stderr.write):
 
 def _patch_training(module):
     freeze_at = int(os.environ.get('PROBE_FREEZE_AT', '0'))
-    module.train_step = wrap_train_step(module.train_step, freeze_at)
+    pause = os.environ.get('PROBE_PAUSE', '0:0').split(':')
+    profile_calls = {int(n) for n in os.environ.get('PROBE_PROFILE', '').split(',') if n}
+    module.train_step = wrap_train_step(
+        module.train_step, freeze_at, pause=(int(pause[0]), float(pause[1])), profile_calls=profile_calls
+    )
 
 
 def _patch_rerun(module):
