@@ -25,6 +25,8 @@ statistics, the packed-sequence statistics that train_step() accumulates for the
 dev) the MTP per-token loss sums were left as the warmup steps made them.
 """
 
+import re
+
 import pytest
 
 from tests.harness import bases, call
@@ -125,6 +127,22 @@ def test_first_real_iterations_log_no_warmup_losses(key, driver):
     """training_log prints the no-warmup run's loss and MoE aux loss from iteration 1 on."""
     none, warm = _printed(key, driver)
     assert warm == none
+
+
+def test_moe_warmup_runs_the_expert_gemm_shapes(driver):
+    """Change training-warmup-expert-gemms: after the warmup steps train() runs the experts' GEMM
+    shapes (on CPU ranks too: tests/scenarios/pretrain.py) and logs them; 2 experts, top-1, 64
+    tokens a rank: every count 1-64, fc1 and fc2, 3 GEMMs each. The run without the flag runs
+    none. The 'moe' tests around this one find the real iterations as without the warmup."""
+    line = (
+        r'\[warmup\] Ran 384 routed-expert GEMM shapes in [\d.]+s: 1-64 tokens an expert '
+        r'\(of up to 64, mean 32\), 2 weight shapes, cuBLAS heuristics cache of \d+$'
+    )
+    none, warm = _ok('moe', 'none', driver)[0], _ok('moe', 'warmup', driver)[0]
+    gemms = [entry for entry in warm['warmup_log'] if 'GEMM' in entry]
+    assert len(gemms) == 1 and re.match(line, gemms[0]), warm['warmup_log']
+    assert warm['warmup_log'][-1] == gemms[0]  # the last thing before the first real step
+    assert none['warmup_log'] == []
 
 
 def test_first_real_iteration_logs_no_warmup_mtp_loss(driver):

@@ -24,6 +24,8 @@ tests/harness/README.md:
   a digest of the model and optimizer after the last iteration. ``warmup.run_warmup`` is wrapped
   on the fork to record its calls: step count, whether train() was running, how many real
   train_step calls had run and whether train()'s interval timer existed yet.
+- On the fork, ``warmup_expert_gemms.PREWARM_DEVICES`` with 'cpu' on CPU ranks: the routed-expert
+  GEMM shapes after the warmup steps run there as on a GPU.
 """
 
 import contextlib
@@ -408,6 +410,19 @@ def _prepare_world(ctx):
     _register_helpers(_build_helpers(ctx.tree_path))
 
 
+@contextlib.contextmanager
+def _expert_gemms_on_cpu():
+    """On the fork, the warmup's routed-expert GEMM shapes run on CPU ranks too (they run only on
+    cuBLAS's device otherwise), so that a CPU run goes through them as a GPU run does."""
+    try:
+        from megatron.training import warmup_expert_gemms
+    except ImportError:  # pristine, or a fork without the change
+        yield
+        return
+    with patched(warmup_expert_gemms, 'PREWARM_DEVICES', ('cuda', 'cpu')):
+        yield
+
+
 def _run_script(ctx, script, workdir, argv, out, on_cpu):
     """Run the script as __main__ with ``argv``, recording into ``out``; return (stdout, stderr)."""
     import_with_real_cuda('megatron.training.training')
@@ -431,6 +446,7 @@ def _run_script(ctx, script, workdir, argv, out, on_cpu):
                         functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
                     )
                 )
+                stack.enter_context(_expert_gemms_on_cpu())
             stack.enter_context(
                 patched(dataset_utils, 'compile_helpers', _compile_helpers_shim(ctx))
             )

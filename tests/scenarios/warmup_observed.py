@@ -289,6 +289,7 @@ def scenario_observe(
         argparse_error=res.get('argparse_error'),
         iterations=res.get('iterations'),
         warmup_calls=res.get('warmup_calls'),
+        warmup_log=res.get('warmup_log'),
         printed=_printed(text.getvalue()),
     )
     return out
