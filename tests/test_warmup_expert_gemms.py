@@ -36,7 +36,9 @@ def _result(handle):
 
 
 def _set(calls):
-    return {tuple(tuple(tuple(x) if isinstance(x, list) else x for x in op) for op in c) for c in calls}
+    return {
+        tuple(tuple(tuple(x) if isinstance(x, list) else x for x in op) for op in c) for c in calls
+    }
 
 
 def test_random_batches_leave_gemms_of_the_real_run_new():

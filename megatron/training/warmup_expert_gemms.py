@@ -102,7 +102,9 @@ def plan_expert_gemms(model, config, args) -> ExpertGemmPlan:
     ops = 2 if getattr(config, 'gradient_accumulation_fusion', False) else 3
     room = max(cache_capacity() - RESERVED_ENTRIES, 0) // (len(weights) * ops)
     counts = sorted(range(1, max_tokens + 1), key=lambda m: (abs(m - mean), -m), reverse=True)
-    return ExpertGemmPlan(weights, counts[len(counts) - min(room, len(counts)) :], max_tokens, mean, ops)
+    return ExpertGemmPlan(
+        weights, counts[len(counts) - min(room, len(counts)) :], max_tokens, mean, ops
+    )
 
 
 # The devices whose GEMMs go through cuBLAS's shape cache (a test adds 'cpu' to run the plan there).

@@ -74,7 +74,8 @@ def _profile_lines(profile, call, top=25):
     stats = pstats.Stats(profile).stats
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [
-        f"[probe-prof {call}] {nc} {tt * 1e3:.2f} {ct * 1e3:.2f} {os.path.basename(f)}:{line}:{name}\n"
+        f"[probe-prof {call}] {nc} {tt * 1e3:.2f} {ct * 1e3:.2f} "
+        f"{os.path.basename(f)}:{line}:{name}\n"
         for (f, line, name), (_, nc, tt, ct, _) in rows
     ]
 
@@ -132,7 +133,10 @@ def _patch_training(module):
     pause = os.environ.get('PROBE_PAUSE', '0:0').split(':')
     profile_calls = {int(n) for n in os.environ.get('PROBE_PROFILE', '').split(',') if n}
     module.train_step = wrap_train_step(
-        module.train_step, freeze_at, pause=(int(pause[0]), float(pause[1])), profile_calls=profile_calls
+        module.train_step,
+        freeze_at,
+        pause=(int(pause[0]), float(pause[1])),
+        profile_calls=profile_calls,
     )
 
 
