@@ -205,6 +205,27 @@ def test_a_new_patch_is_named_by_its_fork_change_slug_uncut(sandbox, tmp_path):
     assert (series_dir(sandbox) / "fork" / f"0001-{slug}.patch").is_file()
 
 
+def test_a_new_patch_takes_its_change_records_number(sandbox, tmp_path):
+    """A change recorded in changes.toml keeps its number on every base: ``commit --new`` of the
+    change on a base whose series ends lower (or where another base already took numbers past
+    it) names the file by the record's number, not the next free one."""
+    slug = "warmup-numbered-by-its-record"
+    (sandbox / "patches" / "changes.toml").write_text(
+        f"[changes.{slug}]\nnumber = 57\ngroup = \"fork\"\nsubject = \"ddp: numbered\"\n"
+        'summary = "s"\nfamily = "warmup"\nforwarded = "no"\ntests = []\n'
+        f'bases = {{ "{BASE}" = "carried" }}\n'
+    )
+    target = sandbox / TARGET
+    target.write_text(target.read_text() + "# a change\n")
+    message = tmp_path / "message.txt"
+    message.write_text(f"Body.\n\nFork-Change: {slug}\n")
+    proc = run(sandbox, "commit", "--new", "ddp: numbered", "--message-file", str(message))
+    assert proc.returncode == 0, proc.stderr
+    proc = run(sandbox, "export")
+    assert proc.returncode == 0, proc.stderr
+    assert (series_dir(sandbox) / "series").read_text() == f"fork/0057-{slug}.patch\n"
+
+
 def test_corrupt_patch_is_refused_and_tree_untouched(sandbox):
     before = tree_digest(sandbox)
     (series_dir(sandbox) / "0001-bad.patch").write_text("this is not a patch\n")

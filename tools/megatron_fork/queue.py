@@ -458,7 +458,9 @@ def _next_number(ws, known):
     return max(numbers) + 1
 
 
-def render_commits(work_tree, git_dir, revs, known=None, next_number=1, group=GROUPS[0]):
+def render_commits(
+    work_tree, git_dir, revs, known=None, next_number=1, group=GROUPS[0], numbers=None
+):
     """Return {series entry: patch text} for the commits in ``revs`` (oldest first).
 
     Args:
@@ -466,19 +468,24 @@ def render_commits(work_tree, git_dir, revs, known=None, next_number=1, group=GR
         git_dir: the queue's git directory.
         revs: a rev-list range, e.g. ``base..HEAD``.
         known: {subject: series entry} of patches that already have a name.
-        next_number: the number given to the first commit without a known name.
+        next_number: the number given to the first commit without a known name or record.
         group: the group directory of new patches.
+        numbers: {slug: number} of the change records: a new patch whose ``Fork-Change:`` slug
+            has a record takes the record's number (the same on every base), not the next one.
     """
     commits = git(work_tree, git_dir, "rev-list", "--reverse", revs).split()
-    known = known or {}
+    known, numbers = known or {}, numbers or {}
     rendered = {}
     for sha in commits:
         subject = git(work_tree, git_dir, "log", "-1", "--format=%s", sha).strip()
         name = known.get(subject)
         if name is None:
             message = git(work_tree, git_dir, "log", "-1", "--format=%B", sha)
-            name = f"{group}/{next_number:04d}-{_slug(subject, message)}.patch"
-            next_number += 1
+            slug = _slug(subject, message)
+            number = numbers.get(slug)
+            if number is None:
+                number, next_number = next_number, next_number + 1
+            name = f"{group}/{number:04d}-{slug}.patch"
         if name in rendered:
             raise ForkError(f"two queue commits export to {name}; give them distinct subjects")
         rendered[name] = git(work_tree, git_dir, *EXPORT_OPTS, *FORMAT_OPTS, "-1", sha)
@@ -489,8 +496,12 @@ def render_patches(ws):
     """Return {series entry: patch text} for every queue commit after the base, in order, with
     the author, opening line and trailers that the change records give each patch."""
     known = _known_names(ws)
-    rendered = render_commits(ws.root, ws.pq, "base..HEAD", known, _next_number(ws, known.values()))
-    return records_mod.render_rendered(rendered, records_mod.load(ws.patch_root))
+    changes = records_mod.load(ws.patch_root)
+    numbers = {slug: change.number for slug, change in changes.items()}
+    rendered = render_commits(
+        ws.root, ws.pq, "base..HEAD", known, _next_number(ws, known.values()), numbers=numbers
+    )
+    return records_mod.render_rendered(rendered, changes)
 
 
 def write_series(patch_dir, rendered, protect=()):
