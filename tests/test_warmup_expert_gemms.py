@@ -71,6 +71,7 @@ def test_plan_order_room_and_scope():
     assert res['no_room']['counts'] == [] and res['no_room']['num_gemms'] == 0
     assert res['fused_wgrad']['ops'] == 2
     assert res['fused_wgrad']['num_gemms'] == 2 * 2 * len(res['fused_wgrad']['counts'])
+    assert res['two_chunks'] == default
     assert res['dense']['weights'] == [] and res['dense']['num_gemms'] == 0
     assert res['other_fc1']['weights'] == [[8, 20]]
     assert res['prewarm_cpu'] == {'num_gemms': 0, 'seconds': 0.0}
@@ -81,11 +82,15 @@ def test_plan_order_room_and_scope():
     [
         ('plain', [32, 16.0]),
         ('ep2', [64, 32.0]),
-        ('sp_tp2', [64, 32.0]),
-        ('tp2_no_sp', [32, 16.0]),
+        # the router sees 16 tokens a rank; the dispatcher gathers them over the TP x EP group
+        ('sp_tp2', [32, 16.0]),
+        ('sp_tp2_etp1', [16, 8.0]),
+        ('tp2_no_sp', [64, 32.0]),  # every TP rank routes all 32: gathered twice
         ('cp2', [16, 8.0]),
         ('capacity', [24, 16.0]),
+        ('capacity_rounded_up', [18, 16.0]),  # 17.6 rounded up (upstream's get_capacity)
         ('capacity_padded', [24, 24.0]),
+        ('ep2_capacity_padded', [34, 34.0]),  # 17 a rank (16.32 rounded up) from 2 ranks
     ],
 )
 def test_token_bounds(layout, bounds):

@@ -26,6 +26,7 @@ import torch
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_utils import get_capacity
 
 # cuBLAS's default heuristics cache size, and the entries left to the model's other GEMMs.
 DEFAULT_CACHE_CAPACITY = 8192
@@ -69,17 +70,25 @@ def _local_expert_weights(model) -> List[torch.Tensor]:
 
 
 def expert_token_bounds(config, args) -> Tuple[int, float]:
-    """(most tokens one local expert can receive in a micro-batch, its mean share) for the
-    micro-batch size and sequence length of ``args``: every token of the expert-parallel group
-    routes to an expert at most once, ``moe_router_topk`` times in all."""
-    tokens = args.micro_batch_size * args.seq_length // max(args.context_parallel_size, 1)
-    tokens *= config.expert_model_parallel_size
-    if config.sequence_parallel:
-        tokens *= config.tensor_model_parallel_size
+    """(most tokens one local expert can receive in a micro-batch, its mean share).
+
+    A rank's router sees its micro-batch's tokens (``args``: micro-batch size and sequence, less
+    context parallelism, less tensor parallelism under sequence parallelism); the dispatcher
+    brings an expert the tokens of the expert-parallel and expert-tensor-parallel ranks, each
+    routed to it at most once and ``moe_router_topk`` times in all. With a capacity factor each
+    rank sends an expert at most its capacity (upstream's ``get_capacity``), exactly that when
+    padded to capacity."""
+    tp = config.tensor_model_parallel_size
+    etp = getattr(config, 'expert_tensor_parallel_size', None) or tp
+    ranks = config.expert_model_parallel_size * etp
+    local = args.micro_batch_size * args.seq_length // max(args.context_parallel_size, 1)
+    local //= tp if config.sequence_parallel else 1
+    tokens = local * ranks
     mean = tokens * config.moe_router_topk / config.num_moe_experts
     capacity_factor = getattr(config, 'moe_expert_capacity_factor', None)
     if capacity_factor is not None:
-        capacity = int(mean * capacity_factor + 0.999999)
+        topk, experts = config.moe_router_topk, config.num_moe_experts
+        capacity = get_capacity(local * topk, experts, capacity_factor) * ranks
         if getattr(config, 'moe_pad_expert_input_to_capacity', False):
             return capacity, float(capacity)
         tokens = min(tokens, capacity)
@@ -155,7 +164,6 @@ def warmup_expert_gemms(model, config, args) -> Tuple[ExpertGemmPlan, float]:
 
     if not getattr(args, 'warmup_train_steps', 0):
         return ExpertGemmPlan([], [], 0, 0.0, 0), 0.0
-    model = model if isinstance(model, list) else [model]
     plan, seconds = prewarm_expert_gemms(model, config, args)
     if plan.token_counts:
         print_rank_0(

@@ -134,11 +134,10 @@ def scenario_signatures(ctx):
         and all(torch.equal(p.grad, grads[n]) for n, p in layer.named_parameters() if n in grads)
         and torch.equal(torch.get_rng_state(), rng)
     )
-    key = lambda c: sorted(c)  # noqa: E731
     return {
-        'warm': sorted(warm, key=key),
-        'real': sorted(real, key=key),
-        'plan': sorted(_expert_gemms(rec.calls), key=key),
+        'warm': sorted(warm),
+        'real': sorted(real),
+        'plan': sorted(_expert_gemms(rec.calls)),
         'plan_mm': len(rec.calls),
         'ran': ran,
         'num_gemms': plan.num_gemms,
@@ -179,6 +178,9 @@ def scenario_plan(ctx):
             os.environ['CUBLASLT_HEURISTICS_CACHE_CAPACITY'] = saved
     fused = SimpleNamespace(**{**vars(config), 'gradient_accumulation_fusion': True})
     out['fused_wgrad'] = _plan_facts(weg.plan_expert_gemms([layer], fused, _args()))
+    # Two model chunks (virtual pipeline stages), each with its experts: one weight per shape.
+    second, _ = _layer()
+    out['two_chunks'] = _plan_facts(weg.plan_expert_gemms([layer, second], config, _args()))
     dense, dense_config = _layer(experts=None)
     out['dense'] = _plan_facts(weg.plan_expert_gemms([dense], dense_config, _args()))
     # An expert linear of another implementation (Transformer Engine's runs its own GEMMs).
@@ -197,11 +199,22 @@ def scenario_plan(ctx):
         'plain': {},
         'ep2': {'expert_model_parallel_size': 2},
         'sp_tp2': {'sequence_parallel': True, 'tensor_model_parallel_size': 2},
+        'sp_tp2_etp1': {
+            'sequence_parallel': True,
+            'tensor_model_parallel_size': 2,
+            'expert_tensor_parallel_size': 1,
+        },
         'tp2_no_sp': {'tensor_model_parallel_size': 2},
         'cp2': {'cp': 2},
         'capacity': {'moe_expert_capacity_factor': 1.5},
+        'capacity_rounded_up': {'moe_expert_capacity_factor': 1.1},
         'capacity_padded': {
             'moe_expert_capacity_factor': 1.5,
+            'moe_pad_expert_input_to_capacity': True,
+        },
+        'ep2_capacity_padded': {
+            'expert_model_parallel_size': 2,
+            'moe_expert_capacity_factor': 1.02,
             'moe_pad_expert_input_to_capacity': True,
         },
     }
@@ -212,6 +225,7 @@ def scenario_plan(ctx):
             expert_model_parallel_size=1,
             sequence_parallel=False,
             tensor_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
             moe_expert_capacity_factor=None,
             moe_pad_expert_input_to_capacity=False,
         )

@@ -138,11 +138,15 @@ lines = []
 step = probe.wrap_train_step(lambda n: (gc.collect(), 2 * n)[1], freeze_at=2, write=lines.append)
 assert step(3) == 6 and step(4) == 8
 sys.stdout.write(''.join(lines))
-lines = []
+lines, slept = [], []
 def work(n):
     return sorted(range(n, 0, -1))[0]
+sleep = probe.time.sleep
+probe.time.sleep = lambda seconds: (slept.append(seconds), sleep(seconds))
 step = probe.wrap_train_step(work, write=lines.append, pause=(2, 200), profile_calls={2})
 assert step(5) == 1 and step(6) == 1 and step(7) == 1
+probe.time.sleep = sleep
+assert slept == [0.2], slept  # once, before call 2
 sys.stdout.write(''.join(lines))
 """
 
@@ -170,7 +174,7 @@ def test_step_probe_wraps_train_step():
     calls = [re.match(r'\[probe\] call (\d) .* gap_ms ([\d.na]+) ', ln) for ln in lines[3:]]
     calls = [m for m in calls if m]
     assert [m[1] for m in calls] == ['1', '2', '3'], lines
-    assert float(calls[1][2]) >= 200 and float(calls[2][2]) < 200, lines
+    assert float(calls[1][2]) >= 200, lines  # the pause is inside call 2's gap
     prof = [ln for ln in lines[3:] if ln.startswith('[probe-prof')]
     assert prof and all(ln.startswith('[probe-prof 2] ') for ln in prof), lines
     assert any(ln.endswith(':work') for ln in prof) and any('sorted' in ln for ln in prof), prof

@@ -107,11 +107,22 @@ class TestWarmupExpertGemms:
         [
             ({}, (32, 16.0)),
             ({'expert_model_parallel_size': 2}, (64, 32.0)),
-            ({'sequence_parallel': True, 'tensor_model_parallel_size': 2}, (64, 32.0)),
+            # the router sees 16 tokens a rank, gathered over the TP x EP group
+            ({'sequence_parallel': True, 'tensor_model_parallel_size': 2}, (32, 16.0)),
+            ({'tensor_model_parallel_size': 2}, (64, 32.0)),
             ({'moe_expert_capacity_factor': 1.5}, (24, 16.0)),
+            ({'moe_expert_capacity_factor': 1.1}, (18, 16.0)),
             (
                 {'moe_expert_capacity_factor': 1.5, 'moe_pad_expert_input_to_capacity': True},
                 (24, 24.0),
+            ),
+            (  # 17 a rank (16.32 rounded up, upstream's get_capacity) from 2 ranks
+                {
+                    'expert_model_parallel_size': 2,
+                    'moe_expert_capacity_factor': 1.02,
+                    'moe_pad_expert_input_to_capacity': True,
+                },
+                (34, 34.0),
             ),
         ],
     )
@@ -122,6 +133,7 @@ class TestWarmupExpertGemms:
             expert_model_parallel_size=1,
             sequence_parallel=False,
             tensor_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
             moe_expert_capacity_factor=None,
             moe_pad_expert_input_to_capacity=False,
         )
